@@ -1,0 +1,303 @@
+"""RMSNorm forward and backward, optionally fused with the residual add of a pre-norm transformer block.
+
+Shapes. Inputs are viewed as ``n_rows`` rows of ``n_cols`` elements. A row's start is
+``(row // rows_inner) * stride_outer + (row % rows_inner) * stride_inner``, so any tensor whose leading
+dimensions collapse into at most two strided groups (for instance a transposed ``(seq, batch, hidden)``
+tensor seen as ``(batch, seq, hidden)``) is read in place. Element ``c`` of a row is at ``c * stride_col``;
+Triton specialises a stride of 1, so the common contiguous case keeps vectorised loads. Outputs are
+contiguous ``(n_rows, n_cols)``. All offsets are int64, so tensors beyond 2**31 elements are fine.
+
+Modes (``MODE``), matching the Hugging Face modules they replace:
+  LLAMA: y = w * cast(x * rstd)           (statistics in fp32, cast back to the input dtype before the weight)
+  PLAIN: y = cast(x * rstd * w)           (fp32 throughout, like torch.nn.RMSNorm)
+  GEMMA: y = cast(x * rstd * (1 + w))     (fp32 throughout, zero-centred weight)
+with rstd = 1 / sqrt(mean(x**2) + eps).
+
+Rows longer than one block (``SINGLE_PASS`` false) are processed in column chunks: a first pass gathers the
+row statistics, a second pass produces the outputs (the re-read mostly hits L2).
+
+Backward. With g = dy * w (LLAMA, PLAIN), dy * (1 + w) (GEMMA) or dy (no weight), and x_hat = x * rstd:
+  dx = rstd * (g - x_hat * mean(g * x_hat))
+  dw = sum over rows of dy * x_hat       (x_hat rounded to the input dtype first in LLAMA mode, as autograd
+                                          sees it in the reference module)
+rstd is recomputed from x rather than stored: the backward reads x anyway, so it costs no memory traffic.
+The backward grid is persistent: each program walks row blocks ``pid, pid + P, ...`` and accumulates its
+share of dw in fp32, written once to ``dw_partial[pid]``; ``column_sum`` then reduces the P partial rows in a
+fixed order, so dw is deterministic (no atomics).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# Compile-time mode switch (globals read inside @triton.jit must be tl.constexpr).
+LLAMA = tl.constexpr(0)
+PLAIN = tl.constexpr(1)
+GEMMA = tl.constexpr(2)
+MODE_IDS = {"llama": 0, "plain": 1, "gemma": 2}
+
+
+@triton.jit
+def _row_offsets(rows, rows_inner, stride_outer, stride_inner):
+    rows = rows.to(tl.int64)
+    return (rows // rows_inner) * stride_outer + (rows % rows_inner) * stride_inner
+
+
+@triton.jit
+def _scale_by_weight(x_hat, w_ptr, cols, col_mask, INPUT_DTYPE: tl.constexpr, MODE: tl.constexpr,
+                     HAS_WEIGHT: tl.constexpr):
+    """y before the final cast, for one tile of normalised rows."""
+    if MODE == LLAMA:
+        x_hat = x_hat.to(INPUT_DTYPE).to(tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if MODE == GEMMA:
+            w = w + 1.0
+        x_hat = x_hat * w[None, :]
+    return x_hat
+
+
+@triton.jit
+def _rms_norm_forward_kernel(
+    x_ptr, residual_ptr, w_ptr, y_ptr, residual_out_ptr,
+    n_rows, n_cols, rows_inner, eps,
+    x_stride_outer, x_stride_inner, x_stride_col,
+    r_stride_outer, r_stride_inner, r_stride_col,
+    MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, SINGLE_PASS: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    x_rows = _row_offsets(rows, rows_inner, x_stride_outer, x_stride_inner)
+    r_rows = _row_offsets(rows, rows_inner, r_stride_outer, r_stride_inner)
+    out_rows = rows.to(tl.int64) * n_cols
+    input_dtype = x_ptr.dtype.element_ty
+
+    if SINGLE_PASS:
+        cols = tl.arange(0, BLOCK_COLS)
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        h = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + r_rows[:, None] + cols[None, :] * r_stride_col, mask=mask, other=0.0)
+            # Round the sum to the input dtype, exactly as `x + residual` in the reference block does.
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(input_dtype)
+            tl.store(residual_out_ptr + out_rows[:, None] + cols[None, :], h, mask=mask)
+        h = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
+        y = _scale_by_weight(h * rstd[:, None], w_ptr, cols, col_mask, input_dtype, MODE, HAS_WEIGHT)
+        tl.store(y_ptr + out_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        sum_sq = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_COLS):
+            cols = start + tl.arange(0, BLOCK_COLS)
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            h = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(residual_ptr + r_rows[:, None] + cols[None, :] * r_stride_col, mask=mask, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(input_dtype)
+                tl.store(residual_out_ptr + out_rows[:, None] + cols[None, :], h, mask=mask)
+            h = h.to(tl.float32)
+            sum_sq += h * h
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
+        for start in range(0, n_cols, BLOCK_COLS):
+            cols = start + tl.arange(0, BLOCK_COLS)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            if HAS_RESIDUAL:
+                h = tl.load(residual_out_ptr + out_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+            else:
+                h = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0)
+            y = _scale_by_weight(h.to(tl.float32) * rstd[:, None], w_ptr, cols, col_mask, input_dtype, MODE,
+                                 HAS_WEIGHT)
+            tl.store(y_ptr + out_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grad_and_dw_term(h, dy, rstd, w_ptr, cols, col_mask, INPUT_DTYPE: tl.constexpr, MODE: tl.constexpr,
+                      HAS_WEIGHT: tl.constexpr):
+    """For one tile: x_hat, g (the gradient reaching x_hat) and dy * x_hat as the weight sees it."""
+    x_hat = h * rstd[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if MODE == GEMMA:
+            w = w + 1.0
+        g = dy * w[None, :]
+    else:
+        g = dy
+    if MODE == LLAMA:
+        dw_term = dy * x_hat.to(INPUT_DTYPE).to(tl.float32)
+    else:
+        dw_term = dy * x_hat
+    return x_hat, g, dw_term
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    dy_ptr, h_ptr, w_ptr, d_residual_out_ptr, dx_ptr, dw_partial_ptr,
+    n_rows, n_cols, rows_inner, eps,
+    dy_stride_outer, dy_stride_inner, dy_stride_col,
+    h_stride_outer, h_stride_inner, h_stride_col,
+    dr_stride_outer, dr_stride_inner, dr_stride_col,
+    MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, HAS_D_RESIDUAL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, SINGLE_PASS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
+    input_dtype = h_ptr.dtype.element_ty
+    dw_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
+
+    if SINGLE_PASS:
+        cols = tl.arange(0, BLOCK_COLS)
+        col_mask = cols < n_cols
+        dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    else:
+        # This program owns dw_partial[pid]; zero it before accumulating chunk by chunk.
+        for start in range(0, n_cols, BLOCK_COLS):
+            cols = start + tl.arange(0, BLOCK_COLS)
+            if COMPUTE_DW:
+                tl.store(dw_row + cols, tl.zeros((BLOCK_COLS,), dtype=tl.float32), mask=cols < n_cols)
+
+    for block in range(pid, n_row_blocks, n_programs):
+        rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        dy_rows = _row_offsets(rows, rows_inner, dy_stride_outer, dy_stride_inner)
+        h_rows = _row_offsets(rows, rows_inner, h_stride_outer, h_stride_inner)
+        dr_rows = _row_offsets(rows, rows_inner, dr_stride_outer, dr_stride_inner)
+        dx_rows = rows.to(tl.int64) * n_cols
+        if SINGLE_PASS:
+            mask = row_mask[:, None] & col_mask[None, :]
+            h = tl.load(h_ptr + h_rows[:, None] + cols[None, :] * h_stride_col, mask=mask, other=0.0)
+            dy = tl.load(dy_ptr + dy_rows[:, None] + cols[None, :] * dy_stride_col, mask=mask, other=0.0)
+            h = h.to(tl.float32)
+            dy = dy.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
+            x_hat, g, dw_term = _grad_and_dw_term(h, dy, rstd, w_ptr, cols, col_mask, input_dtype, MODE,
+                                                  HAS_WEIGHT)
+            mean_gx = tl.sum(g * x_hat, axis=1) / n_cols
+            dx = rstd[:, None] * (g - x_hat * mean_gx[:, None])
+            if HAS_D_RESIDUAL:
+                dr = tl.load(d_residual_out_ptr + dr_rows[:, None] + cols[None, :] * dr_stride_col, mask=mask,
+                             other=0.0)
+                dx += dr.to(tl.float32)
+            tl.store(dx_ptr + dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if COMPUTE_DW:
+                dw_acc += tl.where(mask, dw_term, 0.0)
+        else:
+            # Pass 1: the row statistics sum(h^2) and sum(g * h).
+            sum_sq = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+            sum_gh = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_COLS):
+                cols = start + tl.arange(0, BLOCK_COLS)
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                h = tl.load(h_ptr + h_rows[:, None] + cols[None, :] * h_stride_col, mask=mask, other=0.0)
+                dy = tl.load(dy_ptr + dy_rows[:, None] + cols[None, :] * dy_stride_col, mask=mask, other=0.0)
+                h = h.to(tl.float32)
+                if HAS_WEIGHT:
+                    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                    if MODE == GEMMA:
+                        w = w + 1.0
+                    g = dy.to(tl.float32) * w[None, :]
+                else:
+                    g = dy.to(tl.float32)
+                sum_sq += h * h
+                sum_gh += g * h
+            rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
+            mean_gx = tl.sum(sum_gh, axis=1) * rstd / n_cols
+            # Pass 2: dx, and this program's share of dw.
+            for start in range(0, n_cols, BLOCK_COLS):
+                cols = start + tl.arange(0, BLOCK_COLS)
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                h = tl.load(h_ptr + h_rows[:, None] + cols[None, :] * h_stride_col, mask=mask, other=0.0)
+                dy = tl.load(dy_ptr + dy_rows[:, None] + cols[None, :] * dy_stride_col, mask=mask, other=0.0)
+                x_hat, g, dw_term = _grad_and_dw_term(h.to(tl.float32), dy.to(tl.float32), rstd, w_ptr, cols,
+                                                      col_mask, input_dtype, MODE, HAS_WEIGHT)
+                dx = rstd[:, None] * (g - x_hat * mean_gx[:, None])
+                if HAS_D_RESIDUAL:
+                    dr = tl.load(d_residual_out_ptr + dr_rows[:, None] + cols[None, :] * dr_stride_col,
+                                 mask=mask, other=0.0)
+                    dx += dr.to(tl.float32)
+                tl.store(dx_ptr + dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                if COMPUTE_DW:
+                    partial = tl.load(dw_row + cols, mask=col_mask, other=0.0)
+                    partial += tl.sum(tl.where(mask, dw_term, 0.0), axis=0)
+                    tl.store(dw_row + cols, partial, mask=col_mask)
+
+    if SINGLE_PASS:
+        if COMPUTE_DW:
+            tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _column_sum_kernel(partial_ptr, out_ptr, n_partial_rows, n_cols, BLOCK_ROWS: tl.constexpr,
+                       BLOCK_COLS: tl.constexpr):
+    """out[c] = sum_p partial[p, c], summed in a fixed order (deterministic), stored in out's dtype.
+
+    Narrow column strips give enough programs to keep the GPU busy even for short rows."""
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    for start in range(0, n_partial_rows, BLOCK_ROWS):
+        rows = start + tl.arange(0, BLOCK_ROWS)
+        mask = (rows < n_partial_rows)[:, None] & col_mask[None, :]
+        acc += tl.load(partial_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def _row_strides(layout):
+    rows_inner, stride_outer, stride_inner, stride_col = layout
+    return stride_outer, stride_inner, stride_col
+
+
+def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual_out, n_rows, n_cols, eps, mode,
+                     *, block_rows, block_cols, num_warps):
+    """Launch the forward kernel.
+
+    ``x_layout``/``residual_layout`` are ``(rows_inner, stride_outer, stride_inner, stride_col)`` (see the module
+    docstring; both tensors share ``rows_inner``). ``y`` and ``residual_out`` are contiguous outputs;
+    ``residual``/``residual_out``/``weight`` may be None.
+    """
+    rows_inner = x_layout[0]
+    r_strides = _row_strides(residual_layout) if residual is not None else (0, 0, 0)
+    grid = (triton.cdiv(n_rows, block_rows),)
+    _rms_norm_forward_kernel[grid](
+        x, residual if residual is not None else x, weight if weight is not None else x, y,
+        residual_out if residual_out is not None else y,
+        n_rows, n_cols, rows_inner, eps,
+        *_row_strides(x_layout), *r_strides,
+        MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=block_cols >= n_cols,
+        num_warps=num_warps,
+    )
+
+
+def rms_norm_backward(dy, dy_layout, h, h_layout, weight, d_residual_out, d_residual_layout, dx, dw, n_rows,
+                      n_cols, eps, mode, *, block_rows, block_cols, num_warps, num_programs):
+    """Launch the backward: dx always (contiguous output), dw when ``dw`` is given (shape ``(n_cols,)``).
+
+    ``h`` is the normalised input (``x``, or ``x + residual`` for the fused form); ``d_residual_out`` is the
+    gradient reaching the fused form's residual output, added to dx. ``num_programs`` sizes the persistent grid.
+    """
+    rows_inner = h_layout[0]
+    if dy_layout[0] != rows_inner or (d_residual_out is not None and d_residual_layout[0] != rows_inner):
+        raise ValueError("dy, h and d_residual_out must share the row grouping (rows_inner)")
+    num_programs = max(1, min(num_programs, triton.cdiv(n_rows, block_rows)))
+    dw_partial = torch.empty((num_programs, n_cols), device=h.device, dtype=torch.float32) if dw is not None else h
+    dr_strides = _row_strides(d_residual_layout) if d_residual_out is not None else (0, 0, 0)
+    _rms_norm_backward_kernel[(num_programs,)](
+        dy, h, weight if weight is not None else h, d_residual_out if d_residual_out is not None else dy, dx,
+        dw_partial,
+        n_rows, n_cols, rows_inner, eps,
+        *_row_strides(dy_layout), *_row_strides(h_layout), *dr_strides,
+        MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, COMPUTE_DW=dw is not None,
+        HAS_D_RESIDUAL=d_residual_out is not None,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=block_cols >= n_cols,
+        num_warps=num_warps,
+    )
+    if dw is not None:
+        strip = min(64, triton.next_power_of_2(n_cols))
+        _column_sum_kernel[(triton.cdiv(n_cols, strip),)](dw_partial, dw, num_programs, n_cols, BLOCK_ROWS=32,
+                                                          BLOCK_COLS=strip, num_warps=4)

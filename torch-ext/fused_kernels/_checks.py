@@ -1,0 +1,52 @@
+"""Argument validation shared by every op: each failure names the argument and what was expected."""
+
+import math
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, t, *, dtypes=FLOAT_DTYPES, ndim: int | None = None, min_ndim: int | None = None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_names(dtypes)}; got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-dimensional, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
+    if t.device.type not in ("cuda", "cpu", "meta"):
+        raise ValueError(f"{name} is on device {t.device}; fused_kernels supports cuda and cpu tensors")
+
+
+def check_same_device(ref_name: str, ref: torch.Tensor, **others):
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; they must share a device")
+
+
+def check_same_shape(ref_name: str, ref: torch.Tensor, **others):
+    for name, t in others.items():
+        if t is not None and t.shape != ref.shape:
+            raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(t.shape)}")
+
+
+def check_eps(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+
+
+def check_choice(name: str, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def interpreting() -> bool:
+    """True while Triton's CPU interpreter is on: CPU tensors then run the Triton kernels too."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -1,0 +1,61 @@
+"""Launch configurations, shipped as data (``configs/<family>.json``) and looked up per GPU model.
+
+Nothing here autotunes or touches the GPU at import: the tables are read on first use, and the device is
+asked for its name and multiprocessor count only when an op first runs on it. ``benchmarks/tune_*.py``
+regenerates the tables on a GPU.
+
+Table format: ``{kernel: {device name | "default" | "cpu": [entry, ...]}}``. Entries are sorted by
+``max_cols``; the first entry whose ``max_cols`` is at least the row length is used, and the last entry
+(``max_cols`` null) covers every longer row. An entry without ``block_cols`` processes a whole row per block
+(``block_cols = next_power_of_2(n_cols)``).
+"""
+
+import functools
+import json
+import os
+
+import torch
+
+_CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+# Under the interpreter a "program" is a Python loop iteration: a handful keeps persistent grids exercised.
+_INTERPRETER_PROGRAMS = 3
+
+
+@functools.cache
+def _table(family: str) -> dict:
+    with open(os.path.join(_CONFIG_DIR, f"{family}.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+@functools.cache
+def _device_name(device_type: str, index: int) -> str:
+    if device_type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
+def _multiprocessors(device_type: str, index: int) -> int:
+    if device_type != "cuda":
+        return _INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _index(device: torch.device) -> int:
+    if device.type == "cuda" and device.index is None:
+        return torch.cuda.current_device()
+    return device.index or 0
+
+
+def pick(family: str, kernel: str, device: torch.device, n_cols: int) -> dict:
+    """The launch parameters for ``kernel`` of ``family`` on ``device`` for rows of ``n_cols`` elements."""
+    per_device = _table(family)[kernel]
+    entries = per_device.get(_device_name(device.type, _index(device))) or per_device["default"]
+    entry = next((e for e in entries if e["max_cols"] is None or n_cols <= e["max_cols"]), entries[-1])
+    config = {k: v for k, v in entry.items() if k != "max_cols"}
+    config.setdefault("block_cols", 1 << max(0, (n_cols - 1).bit_length()))
+    return config
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    return _multiprocessors(device.type, _index(device))
