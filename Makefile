@@ -1,0 +1,40 @@
+# Entry points for developers and CI. `make test` is the README's test command and works on a fresh clone.
+PYTHON ?= python3.11
+VENV := .venv
+VPY := $(VENV)/bin/python
+SETUP_STAMP := $(VENV)/.setup-done
+BUILD_DIR ?= build
+TOOLS := PYTHONPATH=tools $(VPY) -m fused_kernels_tools
+
+.PHONY: setup build check test bench demo
+
+# Creates .venv if missing and installs the pinned tools; does nothing while the stamp is newer than
+# requirements-dev.txt.
+setup: $(SETUP_STAMP)
+
+$(SETUP_STAMP): requirements-dev.txt
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	touch $(SETUP_STAMP)
+
+# All variants into build/, then the full check.
+build: setup
+	$(TOOLS) build --out $(BUILD_DIR)
+	$(TOOLS) check $(BUILD_DIR)
+
+check: setup
+	$(TOOLS) check $(BUILD_DIR)
+
+# On a CPU machine tests/conftest.py turns on TRITON_INTERPRET, so the Triton kernels run in the interpreter.
+# pytest exits 5 when it collected no test; that is a failure here like any other non-zero status.
+test: setup
+	$(VPY) -m pytest -q tests; status=$$?; \
+	if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$status
+
+# On a GPU machine, with its system python3 (no .venv).
+bench:
+	python3 benchmarks/run.py
+
+demo:
+	@echo "not yet implemented: issue 3"
+	@exit 1

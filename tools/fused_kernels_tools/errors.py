@@ -1,0 +1,2 @@
+class ToolError(Exception):
+    """A user-facing failure: printed as one line, exit status 1, no traceback."""
