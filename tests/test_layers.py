@@ -1,0 +1,64 @@
+"""The Hub layers swapped into a tiny Llama-style model with `kernels.kernelize` match the unpatched model.
+
+On a CPU machine the layers come from the `torch-cpu` variant (as users on CPU get them) and from the
+`torch-cuda` variant under the Triton interpreter; on a GPU, from the variant `kernels` selects.
+"""
+
+import copy
+
+import pytest
+import torch
+from kernels import KernelizeFallback, LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import DEVICE, ON_GPU
+
+
+def tiny_llama(dtype):
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rms_norm_eps=1e-5, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device=DEVICE, dtype=dtype)
+    # Non-trivial norm weights, so a layer that ignored them would be caught.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def loss_and_grads(model, input_ids):
+    model.zero_grad()
+    out = model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def variant_paths(build_dir):
+    if ON_GPU:
+        return {"selected": build_dir}
+    return {"torch-cpu": build_dir / "torch-cpu", "torch-cuda (interpreter)": build_dir / "torch-cuda"}
+
+
+@pytest.mark.parametrize("variant", ["selected"] if ON_GPU else ["torch-cpu", "torch-cuda (interpreter)"])
+def test_kernelize_tiny_llama_matches_unpatched(build_dir, variant):
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    reference = tiny_llama(dtype).train()
+    patched = copy.deepcopy(reference)
+    mapping = {"RMSNorm": {DEVICE.type: LocalLayerRepository(variant_paths(build_dir)[variant], layer_name="RMSNorm")}}
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        # Layers we do not map (rotary_pos_emb) keep their forward; everything else must load.
+        patched = kernelize(patched, mode=Mode.TRAINING, device=DEVICE.type, use_fallback=KernelizeFallback.NO_LAYER)
+
+    norms = [m for m in patched.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    assert norms and all(m.forward.__func__.__module__.endswith(".layers") for m in norms), \
+        "kernelize did not swap in the Hub layer"
+
+    input_ids = torch.randint(0, 128, (2, 16), device=DEVICE)
+    ref_logits, ref_grads = loss_and_grads(reference, input_ids)
+    logits, grads = loss_and_grads(patched, input_ids)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, **tol)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, **tol, msg=lambda m: f"{name}: {m}")

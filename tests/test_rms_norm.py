@@ -1,0 +1,341 @@
+"""RMSNorm and fused residual-add RMSNorm: numerics, layouts, gradients, errors, compile and layers.
+
+The same tests run on the CPU (Triton interpreter, small shapes) and compiled on a GPU (realistic shapes).
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import DEVICE, EXACT_BF16_ROUNDING, ON_GPU
+from numerics import assert_close_ratio, rel_err
+
+MODES = ("llama", "gemma", "plain")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+EPS = 1e-6
+
+# Row lengths covering one-block rows, odd sizes and the chunked (looped) path of the device's launch table.
+if ON_GPU:
+    SHAPES = [(4096, 4096), (3, 1000, 2048), (17, 8193), (1024, 16384), (64, 20000), (8, 65536), (2, 131075)]
+else:
+    SHAPES = [(5, 1), (3, 7), (2, 3, 64), (9, 300), (4, 1000), (3, 1537)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# References, written independently of the kernels.
+# ----------------------------------------------------------------------------------------------------------
+
+def reference_float64(x, weight, eps, mode, residual=None):
+    """The exact function in float64: returns (y, h) with h = x + residual (or x)."""
+    h = x.double() if residual is None else x.double() + residual.double()
+    y = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.double() + 1.0 if mode == "gemma" else weight.double())
+    return y, h
+
+
+def reference_module(x, weight, eps, mode, residual=None):
+    """What the replaced Hugging Face / PyTorch module computes in the input dtype (the error baseline)."""
+    h = x if residual is None else x + residual
+    if mode == "plain":
+        return torch.nn.functional.rms_norm(h, (h.shape[-1],), weight, eps), h
+    h32 = h.float()
+    normed = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    if mode == "llama":
+        y = normed.to(h.dtype)
+        return (weight * y if weight is not None else y), h
+    y = normed * (1.0 + weight.float()) if weight is not None else normed
+    return y.type_as(h), h
+
+
+def make_inputs(shape, dtype, with_weight, with_residual, device=DEVICE):
+    x = torch.randn(shape, device=device, dtype=dtype)
+    weight = (1.0 + 0.5 * torch.randn(shape[-1], device=device)).to(dtype) if with_weight else None
+    residual = torch.randn(shape, device=device, dtype=dtype) if with_residual else None
+    return x, weight, residual
+
+
+def leaf(t):
+    return None if t is None else t.detach().clone().requires_grad_(True)
+
+
+def run_ours(fk, x, weight, residual, mode, dy, d_res=None):
+    """Forward + backward through our op; returns outputs and gradients."""
+    x, weight, residual = leaf(x), leaf(weight), leaf(residual)
+    if residual is None:
+        y, h = fk.rms_norm(x, weight, EPS, mode), None
+        y.backward(dy)
+    else:
+        y, h = fk.fused_add_rms_norm(x, residual, weight, EPS, mode)
+        torch.autograd.backward([y, h], [dy, d_res])
+    grads = [t.grad if t is not None else None for t in (x, weight, residual)]
+    return y, h, grads
+
+
+def check_against_references(fk, shape, dtype, mode, with_weight, with_residual, transform=None, device=DEVICE):
+    x, weight, residual = make_inputs(shape, dtype, with_weight, with_residual, device)
+    if transform is not None:
+        x = transform(x)
+        residual = transform(residual) if residual is not None else None
+    dy = torch.randn(x.shape, device=x.device, dtype=x.dtype)
+    d_res = torch.randn(x.shape, device=x.device, dtype=x.dtype) if with_residual else None
+    inputs_before = [t.clone() for t in (x, weight, residual, dy, d_res) if t is not None]
+
+    y, h, (dx, dw, dr) = run_ours(fk, x, weight, residual, mode, dy, d_res)
+
+    # Nothing the caller owns was written.
+    for before, after in zip(inputs_before, [t for t in (x, weight, residual, dy, d_res) if t is not None]):
+        assert torch.equal(before, after), "an input or incoming gradient was modified"
+
+    # Float64 reference with autograd for the exact gradients.
+    xr, wr, rr = (leaf(t.double()) if t is not None else None for t in (x, weight, residual))
+    y_ref, h_ref = reference_float64(xr, wr, EPS, mode, rr)
+    torch.autograd.backward([y_ref] + ([h_ref] if with_residual else []),
+                            [dy.double()] + ([d_res.double()] if with_residual else []))
+
+    # PyTorch eager in the input dtype: the error baseline.
+    xb, wb, rb = leaf(x), leaf(weight), leaf(residual)
+    y_base, h_base = reference_module(xb, wb, EPS, mode, rb)
+    torch.autograd.backward([y_base] + ([h_base] if with_residual else []),
+                            [dy] + ([d_res] if with_residual else []))
+
+    # dx is a difference of terms of size |rstd * g|; judge its rounding against that size.
+    h64 = h_ref.detach()
+    rstd64 = torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + EPS)
+    g64 = dy.double() * (1.0 + weight.double() if mode == "gemma" else weight.double()) if with_weight else dy.double()
+    dx_scale = (rstd64 * g64).norm().item()
+
+    assert y.dtype == y_base.dtype and y.shape == x.shape
+    assert_close_ratio("y", y, y_base, y_ref, 2.0, dtype)
+    assert_close_ratio("dx", dx, xb.grad, xr.grad, 3.0, dtype, scale=dx_scale)
+    if with_weight:
+        assert dw.dtype == weight.dtype
+        assert_close_ratio("dweight", dw, wb.grad, wr.grad, 3.0, dtype)
+    if with_residual:
+        assert_rounded_equal(h, h_base, "the residual output must equal x + residual in the input dtype")
+        assert_close_ratio("dresidual", dr, rb.grad, rr.grad, 3.0, dtype, scale=dx_scale)
+
+
+def assert_rounded_equal(ours, expected, message):
+    if ours.dtype == torch.bfloat16 and not EXACT_BF16_ROUNDING:
+        torch.testing.assert_close(ours.float(), expected.float(), rtol=2.0**-7, atol=0, msg=message)
+    else:
+        assert torch.equal(ours, expected), message
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_rms_norm_matches_references(fk, poisoned_empty, shape, dtype, mode):
+    check_against_references(fk, shape, dtype, mode, with_weight=True, with_residual=False)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:: 2], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_add_rms_norm_matches_references(fk, poisoned_empty, shape, dtype, mode):
+    check_against_references(fk, shape, dtype, mode, with_weight=True, with_residual=True)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_without_weight(fk, poisoned_empty, dtype, with_residual):
+    check_against_references(fk, SHAPES[-1], dtype, "plain", with_weight=False, with_residual=with_residual)
+
+
+# Strided views the kernels must read in place.
+LAYOUTS = {
+    "transposed_leading": lambda t: t.transpose(0, 1).contiguous().transpose(0, 1),
+    "row_slice_of_wider": lambda t: torch.cat([t, t], dim=-1)[..., : t.shape[-1]],
+    "column_stride_2": lambda t: torch.stack([t, t], dim=-1)[..., 0],
+    "three_groups": lambda t: t.permute(2, 1, 0, 3).contiguous().permute(2, 1, 0, 3),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_strided_inputs(fk, poisoned_empty, layout, with_residual):
+    shape = (3, 4, 5, 1000) if not ON_GPU else (4, 64, 32, 4096)
+    check_against_references(fk, shape, torch.bfloat16, "llama", True, with_residual, LAYOUTS[layout])
+
+
+def test_strided_incoming_gradient(fk):
+    x, weight, _ = make_inputs((6, 8, 300), torch.float32, True, False)
+    dy_wide = torch.randn(8, 6, 600, device=DEVICE)
+    dy = dy_wide.transpose(0, 1)[..., :300]
+    _, _, (dx, dw, _) = run_ours(fk, x, weight, None, "llama", dy)
+    _, _, (dx_ref, dw_ref, _) = run_ours(fk, x, weight, None, "llama", dy.contiguous())
+    torch.testing.assert_close(dx, dx_ref, rtol=0, atol=0)
+    torch.testing.assert_close(dw, dw_ref, rtol=0, atol=0)
+
+
+@settings(max_examples=12 if not ON_GPU else 40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    leading=st.lists(st.integers(1, 5), min_size=0, max_size=3),
+    hidden=st.integers(1, 1100 if not ON_GPU else 20000),
+    dtype=st.sampled_from(DTYPES),
+    mode=st.sampled_from(MODES),
+    with_weight=st.booleans(),
+    with_residual=st.booleans(),
+    layout=st.sampled_from([None, "row_slice_of_wider", "column_stride_2"]),
+)
+def test_property_random_shapes(fk, leading, hidden, dtype, mode, with_weight, with_residual, layout):
+    torch.manual_seed(len(leading) * 100003 + hidden)
+    check_against_references(fk, (*leading, hidden), dtype, mode, with_weight, with_residual,
+                             LAYOUTS[layout] if layout else None)
+
+
+def test_weight_of_another_dtype_promotes_in_llama_mode(fk):
+    x = torch.randn(4, 64, device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.randn(64, device=DEVICE, dtype=torch.float32)
+    y = fk.rms_norm(x, weight, EPS, "llama")
+    y_base, _ = reference_module(x, weight, EPS, "llama")
+    assert y.dtype == torch.float32 == y_base.dtype
+    assert rel_err(y, y_base) < (1e-5 if EXACT_BF16_ROUNDING else 2.0**-7)
+    assert fk.rms_norm(x, weight, EPS, "plain").dtype == torch.bfloat16
+
+
+def test_empty_batch(fk):
+    x = torch.randn(0, 3, 64, device=DEVICE, requires_grad=True)
+    weight = torch.randn(64, device=DEVICE, requires_grad=True)
+    y = fk.rms_norm(x, weight, EPS, "llama")
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_backward_is_deterministic(fk):
+    shape = (4096, 4096) if ON_GPU else (37, 300)
+    x, weight, _ = make_inputs(shape, torch.bfloat16, True, False)
+    dy = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
+    first = run_ours(fk, x, weight, None, "llama", dy)[2]
+    second = run_ours(fk, x, weight, None, "llama", dy)[2]
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def test_gradient_only_for_weight(fk):
+    x = torch.randn(5, 64, device=DEVICE)
+    weight = torch.randn(64, device=DEVICE, requires_grad=True)
+    fk.rms_norm(x, weight, EPS, "gemma").sum().backward()
+    xr, wr = x.double(), weight.detach().double().requires_grad_(True)
+    reference_float64(xr, wr, EPS, "gemma")[0].sum().backward()
+    assert rel_err(weight.grad, wr.grad) < 1e-5
+
+
+def test_unused_residual_output_gets_no_gradient(fk):
+    x, weight, residual = (leaf(t) for t in make_inputs((6, 128), torch.float32, True, True))
+    y, _ = fk.fused_add_rms_norm(x, residual, weight, EPS, "llama")
+    y.sum().backward()
+    xr, wr, rr = (leaf(t.detach().double()) for t in (x, weight, residual))
+    reference_float64(xr, wr, EPS, "llama", rr)[0].sum().backward()
+    assert rel_err(x.grad, xr.grad) < 1e-5 and rel_err(residual.grad, rr.grad) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bad input gives a clear error naming the argument.
+# ----------------------------------------------------------------------------------------------------------
+
+BAD_INPUTS = [
+    (lambda d: dict(x=torch.randn(4, 8, device=d).double()), TypeError, "x must have dtype"),
+    (lambda d: dict(x=torch.ones(4, 8, device=d, dtype=torch.int32)), TypeError, "x must have dtype"),
+    (lambda d: dict(x=torch.tensor(1.0, device=d)), ValueError, "x must have at least 1 dimension"),
+    (lambda d: dict(x=torch.randn(4, 0, device=d)), ValueError, "non-empty last"),
+    (lambda d: dict(x=torch.randn(4, 8, device=d), weight=torch.randn(7, device=d)), ValueError,
+     r"weight must have shape \(8,\)"),
+    (lambda d: dict(x=torch.randn(4, 8, device=d), weight=torch.randn(2, 8, device=d)), ValueError,
+     "weight must be 1-dimensional"),
+    (lambda d: dict(x=torch.randn(4, 8, device=d), weight=torch.ones(8, device=d, dtype=torch.int64)), TypeError,
+     "weight must have dtype"),
+    (lambda d: dict(x=torch.randn(4, 8, device=d), eps=-1.0), ValueError, "eps must be"),
+    (lambda d: dict(x=torch.randn(4, 8, device=d), eps=float("nan")), ValueError, "eps must be"),
+    (lambda d: dict(x=torch.randn(4, 8, device=d), mode="layer"), ValueError, "mode must be one of"),
+    (lambda d: dict(x=[1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)))
+def test_bad_inputs_raise_clear_errors(fk, case):
+    make, error, message = BAD_INPUTS[case]
+    kwargs = make(DEVICE)
+    with pytest.raises(error, match=message):
+        fk.rms_norm(kwargs.pop("x"), kwargs.pop("weight", None), kwargs.pop("eps", EPS), kwargs.pop("mode", "llama"))
+
+
+@pytest.mark.parametrize("residual, error, message", [
+    (lambda d: torch.randn(4, 9, device=d), ValueError, "residual must have the shape of x"),
+    (lambda d: torch.randn(4, 8, device=d, dtype=torch.float16), TypeError, "residual must have the dtype of x"),
+])
+def test_bad_residual(fk, residual, error, message):
+    with pytest.raises(error, match=message):
+        fk.fused_add_rms_norm(torch.randn(4, 8, device=DEVICE), residual(DEVICE), None, EPS, "llama")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a second device type")
+def test_device_mismatch(fk):
+    with pytest.raises(ValueError, match="weight is on cpu but x is on cuda"):
+        fk.rms_norm(torch.randn(4, 8, device="cuda"), torch.randn(8), EPS, "llama")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch.library integration.
+# ----------------------------------------------------------------------------------------------------------
+
+def test_opcheck(fk):
+    shape = (64, 2048) if ON_GPU else (6, 40)
+    x, weight, residual = (leaf(t) for t in make_inputs(shape, torch.float32, True, True))
+    ops = fk._ops.ops
+    torch.library.opcheck(ops.rms_norm, (x, weight, EPS, "llama"))
+    torch.library.opcheck(ops.fused_add_rms_norm, (x, residual, weight, EPS, "gemma"))
+    dy = torch.randn(shape, device=DEVICE)
+    torch.library.opcheck(ops.rms_norm_backward, (dy, dy, x.detach(), weight.detach(), EPS, "plain", True))
+
+
+def test_compile_fullgraph(fk):
+    torch._dynamo.reset()
+    shape = (8, 256, 1024) if ON_GPU else (2, 3, 64)
+    x, weight, residual = make_inputs(shape, torch.bfloat16 if ON_GPU else torch.float32, True, True)
+
+    def block(x, residual, weight):
+        y, h = fk.fused_add_rms_norm(x, residual, weight, EPS, "llama")
+        return fk.rms_norm(y * 2, weight, EPS, "gemma"), h
+
+    compiled = torch.compile(block, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    eager_args = [leaf(t) for t in (x, residual, weight)]
+    compiled_args = [leaf(t) for t in (x, residual, weight)]
+    eager_out = block(*eager_args)
+    compiled_out = compiled(*compiled_args)
+    for a, b in zip(eager_out, compiled_out):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    sum(o.float().sum() for o in eager_out).backward()
+    sum(o.float().sum() for o in compiled_out).backward()
+    for a, b in zip(eager_args, compiled_args):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The torch-cpu variant: plain PyTorch, same function.
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(3, 7), (2, 5, 300), (4, 1537)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_torch_cpu_variant_matches_references(fk_cpu, poisoned_empty, shape, dtype, mode, with_residual):
+    assert fk_cpu.BACKEND == "cpu"
+    check_against_references(fk_cpu, shape, dtype, mode, True, with_residual, device="cpu")
+
+
+def test_kernels_and_portable_path_agree(fk, fk_cpu):
+    x, weight, residual = make_inputs((7, 300), torch.float32, True, True, device="cpu")
+    if ON_GPU:
+        ours = [t.cpu() for t in fk.fused_add_rms_norm(x.cuda(), residual.cuda(), weight.cuda(), EPS, "gemma")]
+    else:
+        ours = fk.fused_add_rms_norm(x, residual, weight, EPS, "gemma")
+    portable = fk_cpu.fused_add_rms_norm(x, residual, weight, EPS, "gemma")
+    torch.testing.assert_close(ours[0], portable[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours[1], portable[1])
