@@ -1,0 +1,108 @@
+"""Tune the RMSNorm launch table for the GPU this runs on and write it into ``configs/rms_norm.json``.
+
+For each row-length bucket (powers of two) it times every candidate launch configuration of the forward
+and the backward kernel on bf16 inputs of about 64M elements (well past the L2 cache) and keeps the fastest.
+The result is data: the package reads it at run time and never autotunes.
+
+    python benchmarks/tune_rms_norm.py --build <variants dir> [--write torch-ext/fused_kernels/configs/rms_norm.json]
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+BUCKETS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+TARGET_ELEMENTS = 64 * 1024 * 1024
+WARPS = (4, 8, 16)
+PROGRAMS_PER_SM = (2, 4, 8, 16)
+LOOPED_BLOCK_COLS = (4096, 8192)
+MAX_SINGLE_PASS_COLS = 32768
+
+
+def candidate_tiles(n_cols):
+    """(block_rows, block_cols) pairs: whole rows in one tile, or column chunks of a long row."""
+    whole = triton.next_power_of_2(n_cols)
+    tiles = []
+    if whole <= MAX_SINGLE_PASS_COLS:
+        tiles += [(rows, whole) for rows in (1, 2, 4, 8, 16, 32, 64) if 1024 <= rows * whole <= 8192 or
+                  (rows == 1 and whole > 8192)]
+    tiles += [(1, cols) for cols in LOOPED_BLOCK_COLS if cols < whole]
+    return tiles
+
+
+def time_ms(fn):
+    return do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+
+def tune(kernel_module, n_cols, multiprocessors):
+    n_rows = max(1, TARGET_ELEMENTS // n_cols)
+    x = torch.randn(n_rows, n_cols, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n_cols, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    y, dx, dw = torch.empty_like(x), torch.empty_like(x), torch.empty_like(w)
+    layout = (n_rows, 0, n_cols, 1)
+    best = {"forward": None, "backward": None}
+    for block_rows, block_cols in candidate_tiles(n_cols):
+        for warps in WARPS:
+            tile = dict(block_rows=block_rows, block_cols=block_cols, num_warps=warps)
+            fwd = time_ms(lambda: kernel_module.rms_norm_forward(x, layout, w, None, None, y, None, n_rows, n_cols,
+                                                                 1e-6, "llama", **tile))
+            if best["forward"] is None or fwd < best["forward"][0]:
+                best["forward"] = (fwd, tile)
+            for per_sm in PROGRAMS_PER_SM:
+                bwd = time_ms(lambda: kernel_module.rms_norm_backward(
+                    dy, layout, x, layout, w, None, None, dx, dw, n_rows, n_cols, 1e-6, "llama", **tile,
+                    num_programs=per_sm * multiprocessors))
+                if best["backward"] is None or bwd < best["backward"][0]:
+                    best["backward"] = (bwd, {**tile, "programs_per_sm": per_sm})
+    return n_rows, best
+
+
+def to_entries(results, kernel):
+    """Sorted table entries; a whole-row tile records no block_cols (it follows the row length). The last
+    bucket is longer than any single-pass tile, so its chunked config also serves every longer row."""
+    entries = []
+    for i, (n_cols, best) in enumerate(results):
+        config = dict(best[kernel][1])
+        last = i == len(results) - 1
+        if config["block_cols"] >= n_cols and not last:
+            config.pop("block_cols")
+        entries.append({"max_cols": None if last else n_cols, **config})
+    return entries
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", type=Path, required=True, help="directory of built variants")
+    parser.add_argument("--write", type=Path, help="config file to update (the device's entry only)")
+    args = parser.parse_args()
+
+    import kernels
+
+    fk = kernels.get_local_kernel(args.build)
+    device_name = torch.cuda.get_device_name()
+    multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
+    results = []
+    for n_cols in BUCKETS:
+        n_rows, best = tune(fk._kernels.rms_norm, n_cols, multiprocessors)
+        results.append((n_cols, best))
+        print(f"H={n_cols:>6} T={n_rows:>7}  fwd {best['forward'][0] * 1e3:8.1f} us {best['forward'][1]}  "
+              f"bwd {best['backward'][0] * 1e3:8.1f} us {best['backward'][1]}", flush=True)
+
+    table = json.loads(args.write.read_text()) if args.write and args.write.exists() else {}
+    for kernel in ("forward", "backward"):
+        table.setdefault(kernel, {})[device_name] = to_entries(results, kernel)
+    text = json.dumps(table, indent=2) + "\n"
+    if args.write:
+        args.write.write_text(text)
+        print(f"wrote {args.write}")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
