@@ -234,9 +234,7 @@ def _rms_norm_backward_kernel(
 @triton.jit
 def _column_sum_kernel(partial_ptr, out_ptr, n_partial_rows, n_cols, BLOCK_ROWS: tl.constexpr,
                        BLOCK_COLS: tl.constexpr):
-    """out[c] = sum_p partial[p, c], summed in a fixed order (deterministic), stored in out's dtype.
-
-    Narrow column strips give enough programs to keep the GPU busy even for short rows."""
+    """out[c] = sum_p partial[p, c], summed in a fixed order (deterministic), stored in out's dtype."""
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_mask = cols < n_cols
     acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
@@ -298,6 +296,8 @@ def rms_norm_backward(dy, dy_layout, h, h_layout, weight, d_residual_out, d_resi
         num_warps=num_warps,
     )
     if dw is not None:
-        strip = min(64, triton.next_power_of_2(n_cols))
-        _column_sum_kernel[(triton.cdiv(n_cols, strip),)](dw_partial, dw, num_programs, n_cols, BLOCK_ROWS=32,
-                                                          BLOCK_COLS=strip, num_warps=4)
+        # Narrow strips and tall tiles: enough programs, and enough bytes in flight per program, that summing
+        # a few thousand partial rows stays cheap next to the main kernel.
+        strip = min(32, triton.next_power_of_2(n_cols))
+        _column_sum_kernel[(triton.cdiv(n_cols, strip),)](dw_partial, dw, num_programs, n_cols, BLOCK_ROWS=128,
+                                                          BLOCK_COLS=strip, num_warps=8)
