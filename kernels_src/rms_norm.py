@@ -44,16 +44,35 @@ def _row_offsets(rows, rows_inner, stride_outer, stride_inner):
 
 
 @triton.jit
+def _weight_factor(w_ptr, cols, col_mask, MODE: tl.constexpr):
+    """The per-column factor the normalised row is multiplied by: w, or 1 + w in GEMMA mode (fp32)."""
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if MODE == GEMMA:
+        w = w + 1.0
+    return w
+
+
+@triton.jit
+def _load_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr, out_rows, cols,
+                mask, HAS_RESIDUAL: tl.constexpr):
+    """One tile of the normalised input h (fp32): x, or x + residual, which is also stored as residual_out."""
+    h = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + r_rows[:, None] + cols[None, :] * r_stride_col, mask=mask, other=0.0)
+        # Round the sum to the input dtype, exactly as `x + residual` in the reference block does.
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + out_rows[:, None] + cols[None, :], h, mask=mask)
+    return h.to(tl.float32)
+
+
+@triton.jit
 def _scale_by_weight(x_hat, w_ptr, cols, col_mask, INPUT_DTYPE: tl.constexpr, MODE: tl.constexpr,
                      HAS_WEIGHT: tl.constexpr):
     """y before the final cast, for one tile of normalised rows."""
     if MODE == LLAMA:
         x_hat = x_hat.to(INPUT_DTYPE).to(tl.float32)
     if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if MODE == GEMMA:
-            w = w + 1.0
-        x_hat = x_hat * w[None, :]
+        x_hat = x_hat * _weight_factor(w_ptr, cols, col_mask, MODE)[None, :]
     return x_hat
 
 
@@ -77,13 +96,8 @@ def _rms_norm_forward_kernel(
         cols = tl.arange(0, BLOCK_COLS)
         col_mask = cols < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
-        h = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(residual_ptr + r_rows[:, None] + cols[None, :] * r_stride_col, mask=mask, other=0.0)
-            # Round the sum to the input dtype, exactly as `x + residual` in the reference block does.
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(input_dtype)
-            tl.store(residual_out_ptr + out_rows[:, None] + cols[None, :], h, mask=mask)
-        h = h.to(tl.float32)
+        h = _load_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr, out_rows,
+                        cols, mask, HAS_RESIDUAL)
         rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
         y = _scale_by_weight(h * rstd[:, None], w_ptr, cols, col_mask, input_dtype, MODE, HAS_WEIGHT)
         tl.store(y_ptr + out_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -92,12 +106,8 @@ def _rms_norm_forward_kernel(
         for start in range(0, n_cols, BLOCK_COLS):
             cols = start + tl.arange(0, BLOCK_COLS)
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            h = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(residual_ptr + r_rows[:, None] + cols[None, :] * r_stride_col, mask=mask, other=0.0)
-                h = (h.to(tl.float32) + r.to(tl.float32)).to(input_dtype)
-                tl.store(residual_out_ptr + out_rows[:, None] + cols[None, :], h, mask=mask)
-            h = h.to(tl.float32)
+            h = _load_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr,
+                            out_rows, cols, mask, HAS_RESIDUAL)
             sum_sq += h * h
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
         for start in range(0, n_cols, BLOCK_COLS):
@@ -119,10 +129,7 @@ def _grad_and_dw_term(h, dy, rstd, w_ptr, cols, col_mask, INPUT_DTYPE: tl.conste
     """For one tile: x_hat, g (the gradient reaching x_hat) and dy * x_hat as the weight sees it."""
     x_hat = h * rstd[:, None]
     if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if MODE == GEMMA:
-            w = w + 1.0
-        g = dy * w[None, :]
+        g = dy * _weight_factor(w_ptr, cols, col_mask, MODE)[None, :]
     else:
         g = dy
     if MODE == LLAMA:
@@ -195,13 +202,9 @@ def _rms_norm_backward_kernel(
                 h = tl.load(h_ptr + h_rows[:, None] + cols[None, :] * h_stride_col, mask=mask, other=0.0)
                 dy = tl.load(dy_ptr + dy_rows[:, None] + cols[None, :] * dy_stride_col, mask=mask, other=0.0)
                 h = h.to(tl.float32)
+                g = dy.to(tl.float32)
                 if HAS_WEIGHT:
-                    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                    if MODE == GEMMA:
-                        w = w + 1.0
-                    g = dy.to(tl.float32) * w[None, :]
-                else:
-                    g = dy.to(tl.float32)
+                    g = g * _weight_factor(w_ptr, cols, col_mask, MODE)[None, :]
                 sum_sq += h * h
                 sum_gh += g * h
             rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
