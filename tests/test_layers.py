@@ -62,3 +62,26 @@ def test_kernelize_tiny_llama_matches_unpatched(build_dir, variant):
     torch.testing.assert_close(logits, ref_logits, **tol)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="transformers' KernelConfig supports only accelerator devices (not cpu)")
+def test_transformers_kernel_config_swaps_rms_norm(build_dir, monkeypatch):
+    """The user path: `KernelConfig({"RMSNorm": ("myorg/fused-kernels:RMSNorm", {"revision": ...})})`, resolved
+    offline through LOCAL_KERNELS, gives the unpatched model's outputs and gradients."""
+    from transformers import KernelConfig
+
+    monkeypatch.setenv("LOCAL_KERNELS", f"myorg/fused-kernels={build_dir}")
+    reference = tiny_llama(torch.bfloat16).train()
+    patched = copy.deepcopy(reference)
+    config = KernelConfig({"RMSNorm": ("myorg/fused-kernels:RMSNorm", {"revision": "v1", "trust_remote_code": True})},
+                          inherit_mapping=False)
+    patched.set_use_kernels(True, config)
+    norms = [m for m in patched.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    assert norms and all(m.forward.__func__.__module__.endswith(".layers") for m in norms)
+
+    input_ids = torch.randint(0, 128, (2, 16), device=DEVICE)
+    ref_logits, ref_grads = loss_and_grads(reference, input_ids)
+    logits, grads = loss_and_grads(patched, input_ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=2e-2, atol=2e-2)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")
