@@ -44,6 +44,12 @@ def _row_offsets(rows, rows_inner, stride_outer, stride_inner):
 
 
 @triton.jit
+def _load_tile(ptr, row_offsets, cols, stride_col, mask):
+    """A (rows, cols) tile of a strided tensor, as fp32."""
+    return tl.load(ptr + row_offsets[:, None] + cols[None, :] * stride_col, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _weight_factor(w_ptr, cols, col_mask, MODE: tl.constexpr):
     """The per-column factor the normalised row is multiplied by: w, or 1 + w in GEMMA mode (fp32)."""
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -56,13 +62,13 @@ def _weight_factor(w_ptr, cols, col_mask, MODE: tl.constexpr):
 def _load_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr, out_rows, cols,
                 mask, HAS_RESIDUAL: tl.constexpr):
     """One tile of the normalised input h (fp32): x, or x + residual, which is also stored as residual_out."""
-    h = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0)
+    h = _load_tile(x_ptr, x_rows, cols, x_stride_col, mask)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + r_rows[:, None] + cols[None, :] * r_stride_col, mask=mask, other=0.0)
         # Round the sum to the input dtype, exactly as `x + residual` in the reference block does.
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        h = (h + _load_tile(residual_ptr, r_rows, cols, r_stride_col, mask)).to(x_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + out_rows[:, None] + cols[None, :], h, mask=mask)
-    return h.to(tl.float32)
+        h = h.to(tl.float32)
+    return h
 
 
 @triton.jit
@@ -115,11 +121,10 @@ def _rms_norm_forward_kernel(
             col_mask = cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
             if HAS_RESIDUAL:
-                h = tl.load(residual_out_ptr + out_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+                h = _load_tile(residual_out_ptr, out_rows, cols, 1, mask)
             else:
-                h = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0)
-            y = _scale_by_weight(h.to(tl.float32) * rstd[:, None], w_ptr, cols, col_mask, input_dtype, MODE,
-                                 HAS_WEIGHT)
+                h = _load_tile(x_ptr, x_rows, cols, x_stride_col, mask)
+            y = _scale_by_weight(h * rstd[:, None], w_ptr, cols, col_mask, input_dtype, MODE, HAS_WEIGHT)
             tl.store(y_ptr + out_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -137,6 +142,16 @@ def _grad_and_dw_term(h, dy, rstd, w_ptr, cols, col_mask, INPUT_DTYPE: tl.conste
     else:
         dw_term = dy * x_hat
     return x_hat, g, dw_term
+
+
+@triton.jit
+def _store_dx(g, x_hat, rstd, mean_gx, dr_ptr, dr_rows, dr_stride_col, dx_ptr, dx_rows, cols, mask,
+              HAS_D_RESIDUAL: tl.constexpr):
+    """dx = rstd * (g - x_hat * mean(g * x_hat)), plus the gradient reaching the fused form's residual output."""
+    dx = rstd[:, None] * (g - x_hat * mean_gx[:, None])
+    if HAS_D_RESIDUAL:
+        dx += _load_tile(dr_ptr, dr_rows, cols, dr_stride_col, mask)
+    tl.store(dx_ptr + dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -175,20 +190,14 @@ def _rms_norm_backward_kernel(
         dx_rows = rows.to(tl.int64) * n_cols
         if SINGLE_PASS:
             mask = row_mask[:, None] & col_mask[None, :]
-            h = tl.load(h_ptr + h_rows[:, None] + cols[None, :] * h_stride_col, mask=mask, other=0.0)
-            dy = tl.load(dy_ptr + dy_rows[:, None] + cols[None, :] * dy_stride_col, mask=mask, other=0.0)
-            h = h.to(tl.float32)
-            dy = dy.to(tl.float32)
+            h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask)
+            dy = _load_tile(dy_ptr, dy_rows, cols, dy_stride_col, mask)
             rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
             x_hat, g, dw_term = _grad_and_dw_term(h, dy, rstd, w_ptr, cols, col_mask, input_dtype, MODE,
                                                   HAS_WEIGHT)
             mean_gx = tl.sum(g * x_hat, axis=1) / n_cols
-            dx = rstd[:, None] * (g - x_hat * mean_gx[:, None])
-            if HAS_D_RESIDUAL:
-                dr = tl.load(d_residual_out_ptr + dr_rows[:, None] + cols[None, :] * dr_stride_col, mask=mask,
-                             other=0.0)
-                dx += dr.to(tl.float32)
-            tl.store(dx_ptr + dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            _store_dx(g, x_hat, rstd, mean_gx, d_residual_out_ptr, dr_rows, dr_stride_col, dx_ptr, dx_rows, cols,
+                      mask, HAS_D_RESIDUAL)
             if COMPUTE_DW:
                 dw_acc += tl.where(mask, dw_term, 0.0)
         else:
@@ -199,10 +208,8 @@ def _rms_norm_backward_kernel(
                 cols = start + tl.arange(0, BLOCK_COLS)
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
-                h = tl.load(h_ptr + h_rows[:, None] + cols[None, :] * h_stride_col, mask=mask, other=0.0)
-                dy = tl.load(dy_ptr + dy_rows[:, None] + cols[None, :] * dy_stride_col, mask=mask, other=0.0)
-                h = h.to(tl.float32)
-                g = dy.to(tl.float32)
+                h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask)
+                g = _load_tile(dy_ptr, dy_rows, cols, dy_stride_col, mask)
                 if HAS_WEIGHT:
                     g = g * _weight_factor(w_ptr, cols, col_mask, MODE)[None, :]
                 sum_sq += h * h
@@ -214,16 +221,12 @@ def _rms_norm_backward_kernel(
                 cols = start + tl.arange(0, BLOCK_COLS)
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
-                h = tl.load(h_ptr + h_rows[:, None] + cols[None, :] * h_stride_col, mask=mask, other=0.0)
-                dy = tl.load(dy_ptr + dy_rows[:, None] + cols[None, :] * dy_stride_col, mask=mask, other=0.0)
-                x_hat, g, dw_term = _grad_and_dw_term(h.to(tl.float32), dy.to(tl.float32), rstd, w_ptr, cols,
-                                                      col_mask, input_dtype, MODE, HAS_WEIGHT)
-                dx = rstd[:, None] * (g - x_hat * mean_gx[:, None])
-                if HAS_D_RESIDUAL:
-                    dr = tl.load(d_residual_out_ptr + dr_rows[:, None] + cols[None, :] * dr_stride_col,
-                                 mask=mask, other=0.0)
-                    dx += dr.to(tl.float32)
-                tl.store(dx_ptr + dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask)
+                dy = _load_tile(dy_ptr, dy_rows, cols, dy_stride_col, mask)
+                x_hat, g, dw_term = _grad_and_dw_term(h, dy, rstd, w_ptr, cols, col_mask, input_dtype, MODE,
+                                                      HAS_WEIGHT)
+                _store_dx(g, x_hat, rstd, mean_gx, d_residual_out_ptr, dr_rows, dr_stride_col, dx_ptr, dx_rows,
+                          cols, mask, HAS_D_RESIDUAL)
                 if COMPUTE_DW:
                     partial = tl.load(dw_row + cols, mask=col_mask, other=0.0)
                     partial += tl.sum(tl.where(mask, dw_term, 0.0), axis=0)
