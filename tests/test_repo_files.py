@@ -58,6 +58,7 @@ def test_ci_script():
     text = script.read_text()
     assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text
     assert "nix-bin" in text and "DEBIAN_FRONTEND=noninteractive" in text and "make test" in text
+    assert text.index("make test") < text.index("make demo"), "CI runs the demo after the tests"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
 
@@ -68,8 +69,10 @@ def test_makefile_targets():
     assert ".venv/bin/python -m pytest -q tests" in dry.stdout
     assert "python3 benchmarks/run.py" in dry.stdout
     assert "fused_kernels_tools build --out build" in dry.stdout and "fused_kernels_tools check build" in dry.stdout
-    demo = subprocess.run(["make", "-s", "-C", str(REPO_ROOT), "demo"], capture_output=True, text=True)
-    assert demo.returncode != 0 and "not yet implemented: issue 3" in demo.stdout
+    demo = subprocess.run(["make", "-n", "-C", str(REPO_ROOT), "demo"], capture_output=True, text=True)
+    assert demo.returncode == 0, demo.stderr
+    assert "PYTHONPATH=tools .venv/bin/python -m fused_kernels_tools demo" in demo.stdout
+    assert "not yet implemented" not in (REPO_ROOT / "Makefile").read_text()
 
 
 def test_pyproject_declares_the_tools():

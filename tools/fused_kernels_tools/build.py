@@ -8,6 +8,7 @@ existing variant either old or new, never half-written.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -151,10 +152,19 @@ def _swap_in(new: Path, dest: Path, trash: Path) -> None:
 
 
 def build(source: Path, out: Path, only: list[str] | None = None,
-          revision: SourceRevision | None = None) -> list[Variant]:
-    """Build the selected variants (all by default) of `source` into `out`; return what was written."""
+          revision: SourceRevision | None = None, version: int | None = None) -> list[Variant]:
+    """Build the selected variants (all by default) of `source` into `out`; return what was written.
+
+    `version` overrides build.toml's `version` (metadata `version`, `_build_info.VERSION`, Hub branch
+    v<version>): the release table (releases.toml) decides the published version of a source; build.toml's
+    `version` is the development line's.
+    """
     source, out = source.resolve(), out.resolve()
     config = load_config(source)
+    if version is not None:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ToolError(f"--version must be a non-negative integer, got {version!r}")
+        config = dataclasses.replace(config, version=version)
     variants = load_variants(source, config)
     selected = variants
     if only:

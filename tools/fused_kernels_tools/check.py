@@ -253,6 +253,8 @@ def check_build(build_dir: Path, *, runtime: bool = True, jobs: int | None = Non
     problems: list[Problem] = []
     variant_dirs = []
     for entry in sorted(build_dir.iterdir()):
+        if entry.name == "benchmarks" and entry.is_dir():
+            continue  # kernel-builder's bundle layout: benchmarks/benchmark*.py beside the variants (published too)
         if not entry.is_dir():
             problems.append(Problem(entry.name, "stray file: build/ must contain only variant directories"))
             continue

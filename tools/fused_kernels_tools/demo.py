@@ -1,0 +1,362 @@
+"""`demo` (`make demo`): build v1 and v2, publish them to a local Hub, load them back and check every op.
+
+The orchestration (`python -m fused_kernels_tools demo`):
+  1. builds every version of releases.toml from its own source (`release build`);
+  2. starts the local Hub (`hub serve`, a subprocess on a free port, temporary storage, `myorg` trusted);
+  3. publishes v1 and v2 with the publisher (subprocesses with HF_ENDPOINT);
+  4. runs this module as a fresh interpreter (`python -m fused_kernels_tools.demo`) with HF_ENDPOINT and a
+     fresh HF_HOME: `kernels.get_kernel(repo, revision="v2")` and `get_kernel(repo, version=1)`, which
+     variant was chosen and why, every exported function forward and backward against float64 references;
+  5. stops the server, always.
+Exit status 0 only when everything passed.
+
+Checks: `CHECKS` maps each exported function to a check; an exported function without an entry fails the
+demo, so a new kernel has to bring its check along.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import ToolError
+
+TOOLS_DIR = Path(__file__).resolve().parent.parent
+DEMO_ORG = "myorg"
+# Variables that would make the client talk elsewhere, reuse state, or break kernels 0.17.2 (telemetry off
+# makes its user agent end in a space, which httpx refuses: docs hub-http-protocol.md §7).
+CLIENT_ENV_REMOVE = ("HF_HUB_DISABLE_TELEMETRY", "DO_NOT_TRACK", "DISABLE_TELEMETRY", "HF_HUB_OFFLINE",
+                     "LOCAL_KERNELS", "KERNELS_CACHE", "HF_HUB_CACHE", "HF_TOKEN", "HF_TOKEN_PATH",
+                     "HUGGING_FACE_HUB_TOKEN", "TRITON_INTERPRET")
+
+
+# ======================================================================================================
+# Orchestration (the `demo` subcommand)
+# ======================================================================================================
+
+def _step(text: str) -> None:
+    print(f"\n== {text}", flush=True)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("   " + line for line in text.rstrip().splitlines())
+
+
+def client_env(endpoint: str, hf_home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV_REMOVE}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(hf_home), HF_HUB_DISABLE_PROGRESS_BARS="1",
+               NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost", PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(TOOLS_DIR), os.environ.get("PYTHONPATH")])))
+    return env
+
+
+def _tool(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fused_kernels_tools", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+class LocalHub:
+    """`hub serve` as a subprocess: started on a free port, stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, root: Path, work: Path):
+        self.root, self.port_file, self.log = root, work / "hub.port", work / "hub.log"
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def __enter__(self) -> "LocalHub":
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(TOOLS_DIR), os.environ.get("PYTHONPATH")])))
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "fused_kernels_tools", "hub", "serve", "--root", str(self.root), "--port", "0",
+                 "--trusted-org", DEMO_ORG, "--port-file", str(self.port_file)],
+                stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 60
+        while not self.port_file.is_file():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise ToolError(f"the local Hub did not start:\n{self.log.read_text()}")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{int(self.port_file.read_text())}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _publish_all(versions: list[int], built: dict[int, Path], source: Path, env: dict[str, str]) -> bool:
+    for version in versions:
+        _step(f"3. publish v{version}")
+        t0 = time.monotonic()
+        proc = _tool("publish", str(built[version]), "--source", str(source), "--allow-dirty", env=env)
+        print(_indent(proc.stdout + proc.stderr))
+        if proc.returncode != 0:
+            print(f"   FAIL: publishing v{version} failed (exit {proc.returncode})")
+            return False
+        print(f"   ({time.monotonic() - t0:.1f} s)")
+    return True
+
+
+def run_demo(source: Path, workdir: Path | None, keep: bool) -> int:
+    from .publish import default_repo_id
+    from .releases import build_releases, load_releases
+
+    sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with the subprocesses' output
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="fused-kernels-demo-")) if workdir is None else workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    repo_id = default_repo_id(source)
+    status = 1
+    try:
+        releases = load_releases(source / "releases.toml")
+        versions = [r.version for r in releases]
+        _step(f"1. build v{', v'.join(map(str, versions))} from releases.toml")
+        built = build_releases(source, source / "releases.toml", work / "release", allow_dirty=True)
+        print(f"   ({time.monotonic() - started:.1f} s)")
+
+        with LocalHub(work / "hub", work) as hub:
+            _step(f"2. local Hub at {hub.url} (storage {work / 'hub'}, trusted org {DEMO_ORG})")
+            published = _publish_all(versions, built, source, client_env(hub.url, work / "hf-publisher"))
+            if published:
+                newest, oldest = max(versions), min(versions)
+                _step(f"4. load from the Hub in a fresh process (HF_ENDPOINT={hub.url}, fresh HF_HOME) and check the ops")
+                loads = [f"revision=v{newest}", f"version={oldest}"]
+                t0 = time.monotonic()
+                proc = subprocess.run([sys.executable, "-m", "fused_kernels_tools.demo", "--repo-id", repo_id, *loads],
+                                      env=client_env(hub.url, work / "hf-client"), text=True, timeout=600)
+                print(f"   ({time.monotonic() - t0:.1f} s)")
+                status = proc.returncode
+    finally:
+        if keep or workdir is not None:
+            print(f"\nwork directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    verdict = "PASS" if status == 0 else "FAIL"
+    print(f"\ndemo: {verdict} in {time.monotonic() - started:.1f} s")
+    return 0 if status == 0 else 1
+
+
+# ======================================================================================================
+# Client side: runs in a fresh interpreter with HF_ENDPOINT already set (python -m fused_kernels_tools.demo)
+# ======================================================================================================
+
+# Max normwise relative error |out - ref|_max / |ref|_max allowed against the float64 reference, per dtype:
+# 4 units of rounding of bf16 (2^-8) and fp16 (2^-11); fp32 allows for other reduction orders (GPU).
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+DTYPES = ("float32", "bfloat16", "float16")
+EPS = 1e-6
+
+
+def _rel_err(out, ref) -> float:
+    import torch
+
+    out64 = out.detach().to(torch.float64)
+    scale = ref.abs().max().item() or 1.0
+    return (out64 - ref).abs().max().item() / scale
+
+
+def _inputs(dtype, device, seed, *shapes):
+    """Standard normal tensors of the given shapes, drawn in float32 on the CPU (same values everywhere)."""
+    import torch
+
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
+            for shape in shapes]
+
+
+def _ref_rms_norm(x, w, mode):
+    """float64 reference: RMS over the last dimension, then the scale (1 + w in gemma mode)."""
+    import torch
+
+    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS)
+    return x * rstd * ((1.0 + w) if mode == "gemma" else w)
+
+
+def check_rms_norm(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """rms_norm in its three modes, forward and backward (dx, dweight)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    rows = []
+    for i, mode in enumerate(("llama", "gemma", "plain")):
+        x, w, dy = _inputs(dtype, device, 100 + i, (3, 5, 80), (80,), (3, 5, 80))
+        w = (w * 0.1 + (0.0 if mode == "gemma" else 1.0)).detach()
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        y = fk.rms_norm(x, w, eps=EPS, mode=mode)
+        y.backward(dy)
+        x64, w64 = (t.detach().double().requires_grad_(True) for t in (x, w))
+        ref = _ref_rms_norm(x64, w64, mode)
+        ref.backward(dy.double())
+        rows += [(f"{mode} y", _rel_err(y, ref.detach())), (f"{mode} dx", _rel_err(x.grad, x64.grad)),
+                 (f"{mode} dw", _rel_err(w.grad, w64.grad))]
+    return rows
+
+
+def check_fused_add_rms_norm(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """h = x + residual, (rms_norm(h), h): forward both outputs, backward dx, dresidual, dweight."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    x, r, w, dy, dh = _inputs(dtype, device, 200, (4, 3, 72), (4, 3, 72), (72,), (4, 3, 72), (4, 3, 72))
+    w = (w * 0.1 + 1.0).detach()
+    for t in (x, r, w):
+        t.requires_grad_(True)
+    y, h = fk.fused_add_rms_norm(x, r, w, eps=EPS, mode="llama")
+    torch.autograd.backward([y, h], [dy, dh])
+    x64, r64, w64 = (t.detach().double().requires_grad_(True) for t in (x, r, w))
+    h64 = x64 + r64
+    ref = _ref_rms_norm(h64, w64, "llama")
+    torch.autograd.backward([ref, h64], [dy.double(), dh.double()])
+    return [("y", _rel_err(y, ref.detach())), ("h", _rel_err(h, h64.detach())), ("dx", _rel_err(x.grad, x64.grad)),
+            ("dresidual", _rel_err(r.grad, r64.grad)), ("dw", _rel_err(w.grad, w64.grad))]
+
+
+# Every exported function needs an entry here: the demo fails on an exported function without one.
+CHECKS = {
+    "rms_norm": check_rms_norm,
+    "fused_add_rms_norm": check_fused_add_rms_norm,
+}
+
+
+def exported_functions(module) -> list[str]:
+    return [name for name in getattr(module, "__all__", [])
+            if inspect.isfunction(getattr(module, name, None)) or inspect.isbuiltin(getattr(module, name, None))]
+
+
+def _explain(decisions) -> list[str]:
+    """The chosen variant and why, then one line per family of rejected variants (same reason, other values)."""
+    from kernels import VariantAccepted
+    from kernels.variants import ArchVariant
+
+    accepted = [d.variant for d in decisions if isinstance(d, VariantAccepted)]
+    rejected = [d for d in decisions if not isinstance(d, VariantAccepted)]
+    lines = []
+    if accepted:
+        chosen = accepted[0]
+        if isinstance(chosen, ArchVariant):
+            why = "a build compiled for this torch and backend; kernels prefers arch builds over noarch ones"
+        else:
+            arch_ok = any(isinstance(v, ArchVariant) for v in accepted)
+            why = (f"noarch build for this system's backend ({chosen.arch.backend_name})"
+                   + ("" if arch_ok else "; no arch build matches this system"))
+        lines.append(f"chosen {chosen.variant_str}: {why}")
+        if len(accepted) > 1:
+            lines.append("also compatible, less preferred: " + ", ".join(v.variant_str for v in accepted[1:]))
+    families: dict[str, list] = {}
+    for d in rejected:
+        families.setdefault(re.sub(r"\([^)]*\)", "(*)", d.reason, count=1), []).append(d)
+    for members in sorted(families.values(), key=lambda m: -len(m)):
+        example = members[0]
+        more = f" and {len(members) - 1} more" if len(members) > 1 else ""
+        lines.append(f"rejected {len(members):2d} ({example.variant.variant_str}{more}): {example.reason}")
+    return lines
+
+
+def client_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="demo client: load versions from HF_ENDPOINT and check the ops")
+    parser.add_argument("--repo-id", required=True)
+    parser.add_argument("loads", nargs="+", help="revision=<rev> or version=<N>")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    import kernels
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"   endpoint {os.environ.get('HF_ENDPOINT')}, device {device}"
+          f" ({torch.cuda.get_device_name() if device.type == 'cuda' else 'no GPU'}), torch {torch.__version__},"
+          f" kernels {kernels.__version__}")
+    failures: list[str] = []
+    loaded = []
+    for load in args.loads:
+        key, _, value = load.partition("=")
+        kwargs = {"revision": value} if key == "revision" else {"version": int(value)}
+        label = f"{key}={value!r}" if key == "revision" else f"{key}={value}"
+        print(f"\n   get_kernel({args.repo_id!r}, {label})")
+        try:
+            decisions = kernels.get_kernel_variants(args.repo_id, **kwargs)
+            module = kernels.get_kernel(args.repo_id, **kwargs)
+        except Exception as e:  # noqa: BLE001 - reported, the demo fails
+            failures.append(f"{label}: {type(e).__name__}: {e}")
+            print(f"   FAIL {failures[-1]}")
+            continue
+        for line in _explain(decisions):
+            print(f"     {line}")
+        build_info = sys.modules.get(f"{module.__name__}._build_info")
+        namespace = getattr(sys.modules.get(f"{module.__name__}._ops"), "_OPS_NAME", "?")
+        version = getattr(build_info, "VERSION", "?")
+        commit = getattr(build_info, "COMMIT", "?")[:7] + ("_dirty" if getattr(build_info, "DIRTY", False) else "")
+        print(f"     loaded variant {getattr(module, 'VARIANT', '?')}: id {module.__name__}, ops torch.ops.{namespace},"
+              f" version {version}, source {commit}")
+        chosen = next((d.variant.variant_str for d in decisions if type(d).__name__ == "VariantAccepted"), None)
+        if getattr(module, "VARIANT", None) != chosen:
+            failures.append(f"{label}: loaded variant {getattr(module, 'VARIANT', None)}, resolver preferred {chosen}")
+        expected_version = kwargs.get("version") or int(str(kwargs.get("revision", "v0")).lstrip("v") or 0)
+        if version != expected_version:
+            failures.append(f"{label}: metadata version {version}, expected {expected_version}")
+        loaded.append((label, module))
+
+        functions = exported_functions(module)
+        missing = [name for name in functions if name not in CHECKS]
+        if missing:
+            failures.append(f"{label}: exported functions without a check in demo.CHECKS: {missing}")
+        print(f"     {'op':<20} {'dtype':<9} {'worst check':<16} {'max rel err':>11} {'limit':>8}")
+        for name in functions:
+            if name not in CHECKS:
+                print(f"     {name:<20} {'-':<9} {'NO CHECK':<16} {'':>11} {'':>8}  FAIL")
+                continue
+            for dtype in DTYPES:
+                try:
+                    rows = CHECKS[name](module, device, dtype)
+                except Exception as e:  # noqa: BLE001
+                    failures.append(f"{label}: {name} {dtype}: {type(e).__name__}: {e}")
+                    print(f"     {name:<20} {dtype:<9} {'raised':<16} {'':>11} {'':>8}  FAIL ({type(e).__name__}: {e})")
+                    continue
+                limit = TOLERANCE[dtype]
+                worst_label, worst = max(rows, key=lambda row: row[1])
+                bad = [f"{what} {err:.2e}" for what, err in rows if not err <= limit]
+                if bad:
+                    failures.append(f"{label}: {name} {dtype}: above {limit:.1e}: {', '.join(bad)}")
+                print(f"     {name:<20} {dtype:<9} {worst_label:<16} {worst:>11.2e} {limit:>8.1e}  "
+                      f"{'FAIL' if bad else 'ok'} ({len(rows)} checks)")
+
+    if len(loaded) > 1:
+        names = [module.__name__ for _, module in loaded]
+        namespaces = [sys.modules[f"{module.__name__}._ops"]._OPS_NAME for _, module in loaded]
+        if len(set(names)) != len(names) or len(set(namespaces)) != len(namespaces):
+            failures.append(f"versions share a module id or op namespace: {names}, {namespaces}")
+        else:
+            print(f"\n   side by side in one process: {', '.join(f'{label} -> {n}' for (label, _), n in zip(loaded, names))}")
+    print()
+    if failures:
+        for failure in failures:
+            print(f"   FAIL {failure}")
+        print(f"   {len(failures)} failure(s)")
+        return 1
+    print("   all checks passed")
+    return 0
+
+
+def demo_main(args: argparse.Namespace) -> int:
+    return run_demo(args.source.resolve(), args.workdir, args.keep)
+
+
+if __name__ == "__main__":
+    sys.exit(client_main())
