@@ -496,8 +496,7 @@ class Store:
                 {"type": repo_type, "id": repo_id, "private": private, "createdAt": created}))
             commit = self._new_commit(repo, (), {".gitattributes": FileEntry(self.put_blob(GITATTRIBUTES), len(GITATTRIBUTES))},
                                       "initial commit", "")
-            repo.branches["main"] = commit.id
-            self._write_refs(repo)
+            self._set_refs(repo, branches={"main": commit.id})
             self._repos[(repo_type, repo_id)] = repo
             return repo
 
@@ -511,8 +510,13 @@ class Store:
             del self._repos[(repo_type, repo_id)]
             shutil.rmtree(trash, ignore_errors=True)
 
-    def _write_refs(self, repo: Repo) -> None:
-        _write_atomic(repo.path / "refs.json", _json_bytes({"branches": repo.branches, "tags": repo.tags}))
+    def _set_refs(self, repo: Repo, *, branches: dict[str, str] | None = None,
+                  tags: dict[str, str] | None = None) -> None:
+        """Persist the new refs, then adopt them in memory: a failed write leaves both as they were."""
+        branches = repo.branches if branches is None else branches
+        tags = repo.tags if tags is None else tags
+        _write_atomic(repo.path / "refs.json", _json_bytes({"branches": branches, "tags": tags}))
+        repo.branches, repo.tags = branches, tags
 
     def _new_commit(self, repo: Repo, parents: tuple[str, ...], files: dict[str, FileEntry], title: str,
                     message: str, author: str = "local") -> Commit:
@@ -581,12 +585,7 @@ class Store:
             if branch in repo.branches:
                 raise HubError(409, f"Reference refs/heads/{branch} already exists")
             start = self.resolve(repo, starting_point if starting_point is not None else "main")
-            repo.branches[branch] = start.id
-            try:
-                self._write_refs(repo)
-            except BaseException:
-                del repo.branches[branch]
-                raise
+            self._set_refs(repo, branches={**repo.branches, branch: start.id})
             return start
 
     def delete_branch(self, repo: Repo, branch: str) -> None:
@@ -596,12 +595,7 @@ class Store:
                 raise HubError(403, "The main branch cannot be deleted")
             if branch not in repo.branches:
                 raise HubError(404, f"Branch {branch!r} does not exist", "RevisionNotFound")
-            old = repo.branches.pop(branch)
-            try:
-                self._write_refs(repo)
-            except BaseException:
-                repo.branches[branch] = old
-                raise
+            self._set_refs(repo, branches={name: oid for name, oid in repo.branches.items() if name != branch})
 
     def create_tag(self, repo: Repo, tag: str, revision: str) -> Commit:
         with self.lock:
@@ -610,12 +604,7 @@ class Store:
             if tag in repo.tags:
                 raise HubError(409, f"Tag {tag!r} already exists")
             target = self.resolve(repo, revision)
-            repo.tags[tag] = target.id
-            try:
-                self._write_refs(repo)
-            except BaseException:
-                del repo.tags[tag]
-                raise
+            self._set_refs(repo, tags={**repo.tags, tag: target.id})
             return target
 
     def delete_tag(self, repo: Repo, tag: str) -> None:
@@ -623,12 +612,7 @@ class Store:
             self._check_open(repo)
             if tag not in repo.tags:
                 raise HubError(404, f"Tag {tag!r} does not exist", "RevisionNotFound")
-            old = repo.tags.pop(tag)
-            try:
-                self._write_refs(repo)
-            except BaseException:
-                repo.tags[tag] = old
-                raise
+            self._set_refs(repo, tags={name: oid for name, oid in repo.tags.items() if name != tag})
 
     def commit(self, repo: Repo, branch: str, operations: list[Operation], title: str, message: str,
                parent_commit: str | None = None) -> Commit:
@@ -675,12 +659,7 @@ class Store:
             for data in blobs.values():
                 self.put_blob(data)
             commit = self._new_commit(repo, (head.id,), files, title, message)
-            repo.branches[branch] = commit.id
-            try:
-                self._write_refs(repo)
-            except BaseException:
-                repo.branches[branch] = head.id
-                raise
+            self._set_refs(repo, branches={**repo.branches, branch: commit.id})
             return commit
 
     @staticmethod
