@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch
+
 # Compile-time mode switch (globals read inside @triton.jit must be tl.constexpr).
 LLAMA = tl.constexpr(0)
 PLAIN = tl.constexpr(1)
@@ -266,16 +268,14 @@ def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual
     """
     rows_inner = x_layout[0]
     r_strides = _row_strides(residual_layout) if residual is not None else (0, 0, 0)
-    grid = (triton.cdiv(n_rows, block_rows),)
-    _rms_norm_forward_kernel[grid](
-        x, residual if residual is not None else x, weight if weight is not None else x, y,
-        residual_out if residual_out is not None else y,
-        n_rows, n_cols, rows_inner, eps,
-        *_row_strides(x_layout), *r_strides,
-        MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=block_cols >= n_cols,
-        num_warps=num_warps,
-    )
+    launch(
+        _rms_norm_forward_kernel, (triton.cdiv(n_rows, block_rows),),
+        (x, residual if residual is not None else x, weight if weight is not None else x, y,
+         residual_out if residual_out is not None else y,
+         n_rows, n_cols, rows_inner, eps, *_row_strides(x_layout), *r_strides),
+        dict(MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
+             BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=block_cols >= n_cols),
+        num_warps)
 
 
 def rms_norm_backward(dy, dy_layout, h, h_layout, weight, d_residual_out, d_residual_layout, dx, dw, n_rows,
@@ -291,19 +291,18 @@ def rms_norm_backward(dy, dy_layout, h, h_layout, weight, d_residual_out, d_resi
     num_programs = max(1, min(num_programs, triton.cdiv(n_rows, block_rows)))
     dw_partial = torch.empty((num_programs, n_cols), device=h.device, dtype=torch.float32) if dw is not None else h
     dr_strides = _row_strides(d_residual_layout) if d_residual_out is not None else (0, 0, 0)
-    _rms_norm_backward_kernel[(num_programs,)](
-        dy, h, weight if weight is not None else h, d_residual_out if d_residual_out is not None else dy, dx,
-        dw_partial,
-        n_rows, n_cols, rows_inner, eps,
-        *_row_strides(dy_layout), *_row_strides(h_layout), *dr_strides,
-        MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, COMPUTE_DW=dw is not None,
-        HAS_D_RESIDUAL=d_residual_out is not None,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=block_cols >= n_cols,
-        num_warps=num_warps,
-    )
+    launch(
+        _rms_norm_backward_kernel, (num_programs,),
+        (dy, h, weight if weight is not None else h, d_residual_out if d_residual_out is not None else dy, dx,
+         dw_partial, n_rows, n_cols, rows_inner, eps,
+         *_row_strides(dy_layout), *_row_strides(h_layout), *dr_strides),
+        dict(MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, COMPUTE_DW=dw is not None,
+             HAS_D_RESIDUAL=d_residual_out is not None,
+             BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=block_cols >= n_cols),
+        num_warps)
     if dw is not None:
         # Narrow strips and tall tiles: enough programs, and enough bytes in flight per program, that summing
         # a few thousand partial rows stays cheap next to the main kernel.
         strip = min(32, triton.next_power_of_2(n_cols))
-        _column_sum_kernel[(triton.cdiv(n_cols, strip),)](dw_partial, dw, num_programs, n_cols, BLOCK_ROWS=128,
-                                                          BLOCK_COLS=strip, num_warps=8)
+        launch(_column_sum_kernel, (triton.cdiv(n_cols, strip),), (dw_partial, dw, num_programs, n_cols),
+               dict(BLOCK_ROWS=128, BLOCK_COLS=strip), 8)

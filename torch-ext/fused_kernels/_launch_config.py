@@ -48,9 +48,16 @@ def _index(device: torch.device) -> int:
 
 
 def pick(family: str, kernel: str, device: torch.device, n_cols: int) -> dict:
-    """The launch parameters for ``kernel`` of ``family`` on ``device`` for rows of ``n_cols`` elements."""
+    """The launch parameters for ``kernel`` of ``family`` on ``device`` for rows of ``n_cols`` elements.
+
+    The returned dict is shared between calls: read it, never modify it."""
+    return _pick(family, kernel, device.type, _index(device), n_cols)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pick(family: str, kernel: str, device_type: str, index: int, n_cols: int) -> dict:
     per_device = _table(family)[kernel]
-    entries = per_device.get(_device_name(device.type, _index(device))) or per_device["default"]
+    entries = per_device.get(_device_name(device_type, index)) or per_device["default"]
     entry = next((e for e in entries if e["max_cols"] is None or n_cols <= e["max_cols"]), entries[-1])
     config = {k: v for k, v in entry.items() if k != "max_cols"}
     config.setdefault("block_cols", 1 << max(0, (n_cols - 1).bit_length()))

@@ -6,6 +6,7 @@ split into an outer and an inner group, each of which must walk memory with a si
 contiguous tensors, row slices of wider tensors and transposed ``(seq, batch, hidden)`` views, with no copy.
 """
 
+import functools
 import math
 
 import torch
@@ -28,13 +29,36 @@ def _group_stride(sizes, strides):
     return stride
 
 
-def _layout_at_split(t: torch.Tensor, split: int):
-    leading, leading_strides = t.shape[:-1], t.stride()[:-1]
+def _layout_at_split(shape, stride, split: int):
+    leading, leading_strides = shape[:-1], stride[:-1]
     outer = _group_stride(leading[:split], leading_strides[:split])
     inner = _group_stride(leading[split:], leading_strides[split:])
     if outer is None or inner is None:
         return None
-    return (math.prod(leading[split:]), outer, inner, t.stride(-1))
+    return (math.prod(leading[split:]), outer, inner, stride[-1])
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(shape: tuple[int, ...], strides: tuple[tuple[int, ...], ...]):
+    """(which tensors must be made contiguous, their layouts) for tensors of one shape with these strides.
+
+    Cached: a model calls an op with a handful of shape/stride combinations, and recomputing this costs
+    ~10 us of Python per call, as much as the kernel of a small layer."""
+    for split in range(len(shape)):
+        layouts = [_layout_at_split(shape, stride, split) for stride in strides]
+        if all(layout is not None for layout in layouts):
+            return (False,) * len(strides), layouts
+    copy = tuple(_layout_at_split(shape, stride, 0) is None for stride in strides)
+    contiguous = _contiguous_strides(shape)
+    return copy, [_layout_at_split(shape, contiguous if c else stride, 0) for c, stride in zip(copy, strides)]
 
 
 def shared_row_layouts(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], list[RowLayout]]:
@@ -44,10 +68,5 @@ def shared_row_layouts(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], list
     strided groups at all, which takes three or more independent permutations, is made contiguous) and
     their layouts.
     """
-    n_leading = tensors[0].dim() - 1
-    for split in range(n_leading + 1):
-        layouts = [_layout_at_split(t, split) for t in tensors]
-        if all(layout is not None for layout in layouts):
-            return list(tensors), layouts
-    tensors = [t if _layout_at_split(t, 0) is not None else t.contiguous() for t in tensors]
-    return tensors, [_layout_at_split(t, 0) for t in tensors]
+    copy, layouts = _plan(tuple(tensors[0].shape), tuple(t.stride() for t in tensors))
+    return [t.contiguous() if c else t for t, c in zip(tensors, copy)], layouts

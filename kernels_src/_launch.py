@@ -1,0 +1,66 @@
+"""Kernel launches with a fraction of the host time of ``kernel[grid](...)``.
+
+Why. ``JITFunction.run`` binds and specialises every argument, builds the cache key, checks globals and
+builds launch metadata on every call: 20-40 us of Python per launch on the H200 host, more than the GPU
+time of the kernel on inputs below a few MB, and paid again for each launch of a backward. ``launch`` keeps
+each compiled kernel under its own *specialisation key* and calls the compiled kernel's launcher directly
+(~10 us).
+
+The key holds exactly what Triton specialises a kernel on: for each tensor its dtype and whether its address
+is 16-byte aligned; for each integer whether it is 1, whether it is divisible by 16 and whether it fits in
+int32; the constexpr values, ``num_warps``, and the device. Two calls with equal keys therefore select the
+same compiled kernel that ``kernel[grid](...)`` would (``tests/test_launch.py`` checks this against
+Triton's own binder on the GPU). The first call with a new key goes through ``kernel[grid](...)``, which
+compiles (or loads from Triton's cache) and launches; so does every call under the CPU interpreter, and
+every call while a Triton launch hook (a profiler) is installed, so profilers still see every launch.
+"""
+
+import os
+
+import torch
+import triton
+
+_compiled: dict[tuple, object] = {}
+
+
+def _arg_key(value):
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool):  # before int: bool is an int subclass, and Triton types it i1
+        return bool, value
+    if isinstance(value, int):
+        return int, value == 1, value % 16 == 0, -(2**31) <= value < 2**31
+    if isinstance(value, float):
+        return float
+    raise TypeError(f"launch: unsupported kernel argument of type {type(value).__name__}")
+
+
+def _launch_hooks_active() -> bool:
+    hook = triton.knobs.runtime.launch_enter_hook
+    # Triton 3.6 stores a callable or None; later versions a HookChain whose `calls` list may be empty.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, num_warps: int) -> None:
+    """``kernel[grid](*args, **constexprs, num_warps=num_warps)``, without Triton's per-call binding.
+
+    ``args`` are the runtime arguments in the kernel's parameter order (tensors, ints, floats) and
+    ``constexprs`` its ``tl.constexpr`` parameters, which must follow them in the signature.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1" or _launch_hooks_active():
+        kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return
+    device = torch.cuda.current_device()
+    key = (kernel, device, num_warps, tuple(constexprs.values()), tuple(_arg_key(a) for a in args))
+    compiled = _compiled.get(key)
+    if compiled is None:
+        if kernel.arg_names[len(args):] != list(constexprs):
+            raise ValueError(f"launch: {kernel.__name__} takes {kernel.arg_names}; pass its runtime arguments in "
+                             "order, then every constexpr in order")
+        _compiled[key] = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return
+    grid_x, grid_y, grid_z = (tuple(grid) + (1, 1))[:3]
+    # The raw-stream getter Triton itself uses: torch.cuda.current_stream() builds a Stream object (~5 us).
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *constexprs.values())

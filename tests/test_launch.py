@@ -1,0 +1,55 @@
+"""The cached launch path (kernels_src/_launch.py) must pick exactly the compiled kernel Triton itself would.
+
+GPU only: under the CPU interpreter every launch goes through Triton, so there is no cache to check.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import ON_GPU
+
+pytestmark = pytest.mark.skipif(not ON_GPU, reason="the launch cache is used only on CUDA devices")
+
+
+def _triton_specialisation(kernel, args, constexprs, num_warps):
+    """Triton's own specialisation of these arguments (what its compile cache is keyed on)."""
+    binder = kernel.device_caches[torch.cuda.current_device()][-1]
+    _, specialization, options = binder(*args, **constexprs, num_warps=num_warps)
+    return repr(specialization), repr(options)
+
+
+def test_key_separates_every_triton_specialisation(fk):
+    launch = fk._kernels._launch
+    kernel = fk._kernels.rms_norm._column_sum_kernel
+    constexprs = {"BLOCK_ROWS": 16, "BLOCK_COLS": 32}
+    storage = torch.zeros(4096 + 8, device="cuda")
+    seen = {}
+    # Aligned and misaligned pointers; integers that are 1, multiples of 16, neither, and beyond int32.
+    for offset, rows, cols in itertools.product((0, 1, 4), (1, 16, 17, 2**31 + 16), (1, 32, 33)):
+        args = (storage[offset:], storage[offset + 1:], rows, cols)
+        ours = tuple(launch._arg_key(a) for a in args)
+        theirs = _triton_specialisation(kernel, args, constexprs, 8)
+        assert seen.setdefault(ours, theirs) == theirs, f"one launch key for two Triton specialisations: {args[2:]}"
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_cached_launch_matches_first_launch(fk, offset):
+    """The first call compiles through Triton, later calls use the cached kernel: same results, also when the
+    pointers' alignment (part of the key) changes between calls."""
+    launch = fk._kernels._launch
+    kernel = fk._kernels.rms_norm._column_sum_kernel
+    for n_rows, n_cols in [(37, 45), (37, 45), (200, 64), (200, 64)]:
+        partial = torch.randn(n_rows * n_cols + offset, device="cuda")[offset:].view(n_rows, n_cols)
+        out = torch.full((n_cols + offset,), float("nan"), device="cuda")[offset:]
+        launch.launch(kernel, (2,), (partial, out, n_rows, n_cols), {"BLOCK_ROWS": 16, "BLOCK_COLS": 32}, 4)
+        torch.testing.assert_close(out, partial.double().sum(0).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_constexprs_must_follow_runtime_arguments(fk):
+    launch = fk._kernels._launch
+    kernel = fk._kernels.rms_norm._column_sum_kernel
+    partial, out = torch.zeros(4, 4, device="cuda"), torch.zeros(4, device="cuda")
+    with pytest.raises(ValueError, match="runtime arguments in order"):
+        launch.launch(kernel, (1,), (partial, out, 4, 4), {"BLOCK_COLS": 32, "BLOCK_ROWS": 16}, 4)
