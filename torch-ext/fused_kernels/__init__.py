@@ -7,8 +7,21 @@ registered torch op (``torch.compile(fullgraph=True)``-safe, with fake and autog
 
 from . import layers
 from ._build_info import BACKEND, VARIANT, VERSION
+from .flash_attn import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 from .rms_norm import fused_add_rms_norm, rms_norm
 
 __version__ = str(VERSION)
 
-__all__ = ["layers", "rms_norm", "fused_add_rms_norm", "BACKEND", "VARIANT"]
+__all__ = [
+    "layers", "rms_norm", "fused_add_rms_norm",
+    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+    "BACKEND", "VARIANT",
+]
