@@ -442,3 +442,26 @@ def test_kernelize_activation_layer_matches_reference(build_dir, kernelizable, v
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
     for (name, p_ref), p in zip(reference.named_parameters(), patched.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="transformers' KernelConfig supports only accelerator devices (not cpu)")
+def test_transformers_kernel_config_swaps_registered_mlp(build_dir, kernelizable, monkeypatch):
+    """KernelConfig accepts `SwiGLUMLP` once the MLP class is registered with replace_kernel_forward_from_hub."""
+    from transformers import KernelConfig
+
+    monkeypatch.setenv("LOCAL_KERNELS", f"myorg/fused-kernels={build_dir}")
+    reference = tiny_model("llama", torch.bfloat16).train()
+    patched = copy.deepcopy(reference)
+    kernelizable(type(reference.model.layers[0].mlp), "SwiGLUMLP")
+    repo = ("myorg/fused-kernels:SwiGLUMLP", {"revision": "v1", "trust_remote_code": True})
+    config = KernelConfig({"SwiGLUMLP": repo}, inherit_mapping=False)
+    patched.set_use_kernels(True, config)
+    mlps = [m.mlp for m in patched.model.layers]
+    assert all(m.forward.__func__.__module__.endswith(".layers") for m in mlps)
+
+    input_ids = torch.randint(0, 128, (2, 16), device=DEVICE)
+    ref_logits, ref_grads = loss_and_grads(reference, input_ids)
+    logits, grads = loss_and_grads(patched, input_ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=2e-2, atol=2e-2)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")
