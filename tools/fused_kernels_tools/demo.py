@@ -228,10 +228,59 @@ def check_fused_add_rms_norm(fk, device, dtype_name) -> list[tuple[str, float]]:
             ("dresidual", _rel_err(r.grad, r64.grad)), ("dw", _rel_err(w.grad, w64.grad))]
 
 
+def _check_gated(fk, device, dtype_name, name, approximate, fused) -> list[tuple[str, float]]:
+    """One gated activation (SiLU when `approximate` is None, else GELU), forward and backward, from two
+    tensors or from one fused (..., 2I) tensor, against float64 `act(gate) * up`."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = getattr(torch, dtype_name)
+    width = 96
+    x, dy = _inputs(dtype, device, 300, (3, 5, 2 * width), (3, 5, width))
+    x.requires_grad_(True)
+    kwargs = {} if approximate is None else {"approximate": approximate}
+    y = getattr(fk, name)(x, **kwargs) if fused else getattr(fk, name)(x[..., :width], x[..., width:], **kwargs)
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_(True)
+    gate, up = x64[..., :width], x64[..., width:]
+    ref = (F.silu(gate) if approximate is None else F.gelu(gate, approximate=approximate)) * up
+    ref.backward(dy.double())
+    label = "silu" if approximate is None else f"gelu {approximate}"
+    return [(f"{label} y", _rel_err(y, ref.detach())),
+            (f"{label} dgate", _rel_err(x.grad[..., :width], x64.grad[..., :width])),
+            (f"{label} dup", _rel_err(x.grad[..., width:], x64.grad[..., width:]))]
+
+
+def check_swiglu(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """silu(gate) * up, forward and backward (dgate, dup)."""
+    return _check_gated(fk, device, dtype_name, "swiglu", None, fused=False)
+
+
+def check_geglu(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """gelu(gate) * up, exact and tanh-approximated, forward and backward."""
+    return [row for approximate in ("none", "tanh")
+            for row in _check_gated(fk, device, dtype_name, "geglu", approximate, fused=False)]
+
+
+def check_silu_and_mul(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """silu(x[..., :I]) * x[..., I:] from one fused tensor, forward and backward."""
+    return _check_gated(fk, device, dtype_name, "silu_and_mul", None, fused=True)
+
+
+def check_gelu_and_mul(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """gelu(x[..., :I]) * x[..., I:], exact and tanh-approximated, from one fused tensor."""
+    return [row for approximate in ("none", "tanh")
+            for row in _check_gated(fk, device, dtype_name, "gelu_and_mul", approximate, fused=True)]
+
+
 # Every exported function needs an entry here: the demo fails on an exported function without one.
 CHECKS = {
     "rms_norm": check_rms_norm,
     "fused_add_rms_norm": check_fused_add_rms_norm,
+    "swiglu": check_swiglu,
+    "geglu": check_geglu,
+    "silu_and_mul": check_silu_and_mul,
+    "gelu_and_mul": check_gelu_and_mul,
 }
 
 

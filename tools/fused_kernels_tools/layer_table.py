@@ -1,4 +1,5 @@
-"""The transformers classes each Hub layer replaces.
+"""The classes each Hub layer replaces: transformers classes, or, for a layer no transformers class
+corresponds to, the reference module in `reference_layers.py` that defines its contract.
 
 `check` runs kernels' own layer validation (`kernels.layer.layer._validate_layer`, the rules `kernelize`
 applies: no `__init__`, no extra members, same forward arity and parameter kinds) for every class of the
@@ -19,4 +20,18 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm",
         "transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm",
     ),
+    "SwiGLUMLP": (
+        "transformers.models.llama.modeling_llama.LlamaMLP",
+        "transformers.models.qwen2.modeling_qwen2.Qwen2MLP",
+        "transformers.models.qwen3.modeling_qwen3.Qwen3MLP",
+        "transformers.models.mistral.modeling_mistral.MistralMLP",
+    ),
+    "GeGLUMLP": (
+        "transformers.models.gemma.modeling_gemma.GemmaMLP",
+        "transformers.models.gemma2.modeling_gemma2.Gemma2MLP",
+        "transformers.models.gemma3.modeling_gemma3.Gemma3MLP",
+    ),
+    "SiluAndMul": ("fused_kernels_tools.reference_layers.SiluAndMul",),
+    "GeluAndMul": ("fused_kernels_tools.reference_layers.GeluAndMul",),
+    "GeluTanhAndMul": ("fused_kernels_tools.reference_layers.GeluTanhAndMul",),
 }

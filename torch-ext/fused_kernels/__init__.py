@@ -8,7 +8,9 @@ registered torch op (``torch.compile(fullgraph=True)``-safe, with fake and autog
 from . import layers
 from ._build_info import BACKEND, VARIANT, VERSION
 from .rms_norm import fused_add_rms_norm, rms_norm
+from .swiglu import geglu, gelu_and_mul, silu_and_mul, swiglu
 
 __version__ = str(VERSION)
 
-__all__ = ["layers", "rms_norm", "fused_add_rms_norm", "BACKEND", "VARIANT"]
+__all__ = ["layers", "rms_norm", "fused_add_rms_norm", "swiglu", "geglu", "silu_and_mul", "gelu_and_mul", "BACKEND",
+           "VARIANT"]
