@@ -8,7 +8,9 @@ registered torch op (``torch.compile(fullgraph=True)``-safe, with fake and autog
 from . import layers
 from ._build_info import BACKEND, VARIANT, VERSION
 from .rms_norm import fused_add_rms_norm, rms_norm
+from .rope import apply_rotary_pos_emb, apply_rotary_pos_emb_cached
 
 __version__ = str(VERSION)
 
-__all__ = ["layers", "rms_norm", "fused_add_rms_norm", "BACKEND", "VARIANT"]
+__all__ = ["layers", "rms_norm", "fused_add_rms_norm", "apply_rotary_pos_emb", "apply_rotary_pos_emb_cached", "BACKEND",
+           "VARIANT"]

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .rms_norm import rms_norm
+from .rope import apply_rotary_pos_emb
 
 
 class RMSNorm(nn.Module):
@@ -35,3 +36,15 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, mode="gemma")
+
+
+class ApplyRotaryPosEmb(nn.Module):
+    """Replaces transformers' ``apply_rotary_pos_emb`` (the kernelizable function ``rotary_pos_emb`` of Llama,
+    Qwen, Mistral and most decoder models): half-split RoPE of q and k in one launch, out of place."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
