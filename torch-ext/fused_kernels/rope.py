@@ -287,6 +287,7 @@ def apply_rotary_pos_emb_cached(q: torch.Tensor, k: torch.Tensor, cos_cache: tor
     Differentiable in q and k.
     """
     _checks.check_tensor("q", q)
+    _checks.check_tensor("position_ids", position_ids, dtypes=POSITION_DTYPES)
     if q.dim() == 3:
         _checks.check_tensor("k", k, ndim=3)
         _checks.check_tensor("position_ids", position_ids, dtypes=POSITION_DTYPES, ndim=1)
