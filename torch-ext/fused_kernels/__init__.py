@@ -8,7 +8,7 @@ registered torch op (``torch.compile(fullgraph=True)``-safe, with fake and autog
 from . import layers
 from ._build_info import BACKEND, VARIANT, VERSION
 from .rms_norm import fused_add_rms_norm, rms_norm
-from .rope import apply_rotary_pos_emb, apply_rotary_pos_emb_cached
+from ._rope import apply_rotary_pos_emb, apply_rotary_pos_emb_cached
 
 __version__ = str(VERSION)
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .rms_norm import rms_norm
-from .rope import apply_rotary_pos_emb
+from ._rope import apply_rotary_pos_emb
 
 
 class RMSNorm(nn.Module):

@@ -25,6 +25,9 @@ are rotated in place and returned (their partial-rotary tail is untouched); auto
 
 CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernel; otherwise a plain
 PyTorch implementation with the same numerics runs, which is what the ``torch-cpu`` variant uses.
+
+(The module is private, unlike ``rms_norm.py``, because no public function shares its name to shadow it in
+the package namespace; its public functions are exported by ``__init__.py``.)
 """
 
 import torch
