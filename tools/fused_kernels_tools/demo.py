@@ -273,6 +273,42 @@ def check_gelu_and_mul(fk, device, dtype_name) -> list[tuple[str, float]]:
             for row in _check_gated(fk, device, dtype_name, "gelu_and_mul", approximate, fused=True)]
 
 
+def _ref_rope(x, cos, sin):
+    """float64 reference, half-split convention: pairs (x_i, x_{i+R/2}) as complex numbers times cos + i sin."""
+    import torch
+
+    half = cos.shape[-1] // 2
+    z = torch.complex(x[..., :half], x[..., half:2 * half]) * torch.complex(cos[..., :half], sin[..., :half])
+    return torch.cat([z.real, z.imag, x[..., 2 * half:]], -1)
+
+
+def _check_rope(fk, device, dtype_name, cached) -> list[tuple[str, float]]:
+    """q (2, 4 heads, 5, 24) and k (2 heads) with partial rotary (16 of 24): forward q/k, backward dq/dk."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    q, k, dq, dk, angles = _inputs(dtype, device, 300, (2, 4, 5, 24), (2, 2, 5, 24), (2, 4, 5, 24), (2, 2, 5, 24),
+                                   (9, 8))
+    table = torch.cat([angles, angles], -1).double()
+    cos_cache, sin_cache = table.cos(), table.sin()
+    positions = torch.tensor([[0, 1, 2, 3, 4], [8, 6, 4, 2, 0]], device=device)
+    q, k = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+    if cached:
+        q_out, k_out = fk.apply_rotary_pos_emb_cached(q, k, cos_cache.to(dtype), sin_cache.to(dtype), positions)
+    else:
+        q_out, k_out = fk.apply_rotary_pos_emb(q, k, cos_cache[positions].to(dtype), sin_cache[positions].to(dtype))
+    torch.autograd.backward([q_out, k_out], [dq, dk])
+    # The reference uses the tables as the op saw them (rounded to dtype), unsqueezed over heads.
+    cos, sin = (t.to(dtype).double()[positions][:, None] for t in (cos_cache, sin_cache))
+    rows = []
+    for name, x, out, grad_out, grad in (("q", q, q_out, dq, q.grad), ("k", k, k_out, dk, k.grad)):
+        x64 = x.detach().double().requires_grad_(True)
+        ref = _ref_rope(x64, cos, sin)
+        ref.backward(grad_out.double())
+        rows += [(f"{name}", _rel_err(out, ref.detach())), (f"d{name}", _rel_err(grad, x64.grad))]
+    return rows
+
+
 # Every exported function needs an entry here: the demo fails on an exported function without one.
 CHECKS = {
     "rms_norm": check_rms_norm,
@@ -281,6 +317,8 @@ CHECKS = {
     "geglu": check_geglu,
     "silu_and_mul": check_silu_and_mul,
     "gelu_and_mul": check_gelu_and_mul,
+    "apply_rotary_pos_emb": lambda fk, device, dtype_name: _check_rope(fk, device, dtype_name, cached=False),
+    "apply_rotary_pos_emb_cached": lambda fk, device, dtype_name: _check_rope(fk, device, dtype_name, cached=True),
 }
 
 

@@ -7,6 +7,11 @@ built package's `layers` module against every class listed here, and checks that
 declares as a bare annotation (the state its forward reads from the replaced module, e.g. `weight`,
 `variance_epsilon`) exists on an instance of that class. A layer class missing from this table is an
 error, so a new layer cannot ship unchecked: add its entry when you add the layer.
+
+A kernelizable *function* (transformers' `apply_rotary_pos_emb`, layer name `rotary_pos_emb`) is listed by
+its module path too: `use_kernel_forward_from_hub` turns it into an instance of a generated `nn.Module`
+class whose forward has the function's signature plus `self`, and kernelize validates a Hub layer against
+that class, so `check` does the same.
 """
 
 LAYER_TABLE: dict[str, tuple[str, ...]] = {
@@ -34,4 +39,9 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     "SiluAndMul": ("fused_kernels_tools.reference_layers.SiluAndMul",),
     "GeluAndMul": ("fused_kernels_tools.reference_layers.GeluAndMul",),
     "GeluTanhAndMul": ("fused_kernels_tools.reference_layers.GeluTanhAndMul",),
+    "ApplyRotaryPosEmb": (
+        "transformers.models.llama.modeling_llama.apply_rotary_pos_emb",
+        "transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb",
+        "transformers.models.mistral.modeling_mistral.apply_rotary_pos_emb",
+    ),
 }

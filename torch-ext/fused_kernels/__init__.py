@@ -7,10 +7,11 @@ registered torch op (``torch.compile(fullgraph=True)``-safe, with fake and autog
 
 from . import layers
 from ._build_info import BACKEND, VARIANT, VERSION
+from ._rope import apply_rotary_pos_emb, apply_rotary_pos_emb_cached
 from .rms_norm import fused_add_rms_norm, rms_norm
 from .swiglu import geglu, gelu_and_mul, silu_and_mul, swiglu
 
 __version__ = str(VERSION)
 
-__all__ = ["layers", "rms_norm", "fused_add_rms_norm", "swiglu", "geglu", "silu_and_mul", "gelu_and_mul", "BACKEND",
-           "VARIANT"]
+__all__ = ["layers", "rms_norm", "fused_add_rms_norm", "apply_rotary_pos_emb", "apply_rotary_pos_emb_cached",
+           "swiglu", "geglu", "silu_and_mul", "gelu_and_mul", "BACKEND", "VARIANT"]

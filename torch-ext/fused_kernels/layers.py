@@ -7,6 +7,7 @@ replaces, so it reads that module's state (declared below as bare annotations fo
 import torch
 from torch import nn
 
+from ._rope import apply_rotary_pos_emb
 from .rms_norm import rms_norm
 from .swiglu import geglu, gelu_and_mul, silu_and_mul, swiglu
 
@@ -99,3 +100,15 @@ class GeluTanhAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gelu_and_mul(x, approximate="tanh")
+
+
+class ApplyRotaryPosEmb(nn.Module):
+    """Replaces transformers' ``apply_rotary_pos_emb`` (the kernelizable function ``rotary_pos_emb`` of Llama,
+    Qwen, Mistral and most decoder models): half-split RoPE of q and k in one launch, out of place."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
