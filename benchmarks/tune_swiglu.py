@@ -6,6 +6,9 @@ the fastest. The activations differ only in a few fp32 instructions per element,
 three. The result is data: the package reads it at run time and never autotunes.
 
     python benchmarks/tune_swiglu.py --build <variants dir> [--write torch-ext/fused_kernels/configs/swiglu.json]
+                                     [--buckets 4096 16384]
+
+``--buckets`` tunes a coarser table (each bucket serves the widths up to it, the last one every wider row).
 """
 
 import argparse
@@ -67,6 +70,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", type=Path, required=True, help="directory of built variants")
     parser.add_argument("--write", type=Path, help="config file to update (the device's entry only)")
+    parser.add_argument("--buckets", type=int, nargs="+", default=BUCKETS, help="row-width buckets (default: all)")
     args = parser.parse_args()
 
     import kernels
@@ -74,7 +78,7 @@ def main():
     fk = kernels.get_local_kernel(args.build)
     device_name = torch.cuda.get_device_name()
     results = []
-    for n_cols in BUCKETS:
+    for n_cols in sorted(args.buckets):
         n_rows, best = tune(fk._kernels.swiglu, n_cols)
         results.append((n_cols, best))
         elements = n_rows * n_cols
