@@ -55,7 +55,7 @@ def benchmarks(env: Env) -> list[OpBenchmark]:
         liger = optional_import("liger_kernel.ops.swiglu", "liger")
         if liger is not None:
             # Liger's SwiGLU takes the two halves; it makes them contiguous (a copy) for the fused layout.
-            providers["liger"] = liger.LigerSiLUMulFunction.apply
+            providers["liger"] = lambda gate, up: liger.LigerSiLUMulFunction.apply(gate, up)  # positional only
             fused_providers["liger"] = lambda gate_up: liger.LigerSiLUMulFunction.apply(*gate_up.chunk(2, dim=-1))
     else:
         print("note: torch_compile and liger skipped on CPU")
