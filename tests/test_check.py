@@ -285,6 +285,11 @@ RUNTIME_CORRUPTIONS = {
         class UnlistedLayer(_torch_for_check_test.nn.Module):
             def forward(self, x):
                 return x
+
+
+        class ApplyRotaryPosEmb(_torch_for_check_test.nn.Module):
+            def forward(self, q, k, cos, sin):
+                return q, k
         """,
 }
 
@@ -319,6 +324,13 @@ def test_layer_state_must_exist_on_the_replaced_class(runtime_check):
 
 def test_layer_missing_from_the_table(runtime_check):
     assert any("torch-cpu/layers.py: layer UnlistedLayer is not in fused_kernels_tools/layer_table.py" in line
+               for line in runtime_check), runtime_check
+
+
+def test_function_layer_is_validated_against_the_kernelizable_function(runtime_check):
+    """transformers' `apply_rotary_pos_emb` is a function turned into a module; the layer must match its arity."""
+    assert any("torch-cpu/layers.py: layer ApplyRotaryPosEmb cannot replace apply_rotary_pos_emb: Forward signature"
+               " of layers.ApplyRotaryPosEmb does not match" in line and "different number of arguments" in line
                for line in runtime_check), runtime_check
 
 

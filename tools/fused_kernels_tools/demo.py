@@ -228,10 +228,97 @@ def check_fused_add_rms_norm(fk, device, dtype_name) -> list[tuple[str, float]]:
             ("dresidual", _rel_err(r.grad, r64.grad)), ("dw", _rel_err(w.grad, w64.grad))]
 
 
+def _check_gated(fk, device, dtype_name, name, approximate, fused) -> list[tuple[str, float]]:
+    """One gated activation (SiLU when `approximate` is None, else GELU), forward and backward, from two
+    tensors or from one fused (..., 2I) tensor, against float64 `act(gate) * up`."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = getattr(torch, dtype_name)
+    width = 96
+    x, dy = _inputs(dtype, device, 300, (3, 5, 2 * width), (3, 5, width))
+    x.requires_grad_(True)
+    kwargs = {} if approximate is None else {"approximate": approximate}
+    y = getattr(fk, name)(x, **kwargs) if fused else getattr(fk, name)(x[..., :width], x[..., width:], **kwargs)
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_(True)
+    gate, up = x64[..., :width], x64[..., width:]
+    ref = (F.silu(gate) if approximate is None else F.gelu(gate, approximate=approximate)) * up
+    ref.backward(dy.double())
+    label = "silu" if approximate is None else f"gelu {approximate}"
+    return [(f"{label} y", _rel_err(y, ref.detach())),
+            (f"{label} dgate", _rel_err(x.grad[..., :width], x64.grad[..., :width])),
+            (f"{label} dup", _rel_err(x.grad[..., width:], x64.grad[..., width:]))]
+
+
+def check_swiglu(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """silu(gate) * up, forward and backward (dgate, dup)."""
+    return _check_gated(fk, device, dtype_name, "swiglu", None, fused=False)
+
+
+def check_geglu(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """gelu(gate) * up, exact and tanh-approximated, forward and backward."""
+    return [row for approximate in ("none", "tanh")
+            for row in _check_gated(fk, device, dtype_name, "geglu", approximate, fused=False)]
+
+
+def check_silu_and_mul(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """silu(x[..., :I]) * x[..., I:] from one fused tensor, forward and backward."""
+    return _check_gated(fk, device, dtype_name, "silu_and_mul", None, fused=True)
+
+
+def check_gelu_and_mul(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """gelu(x[..., :I]) * x[..., I:], exact and tanh-approximated, from one fused tensor."""
+    return [row for approximate in ("none", "tanh")
+            for row in _check_gated(fk, device, dtype_name, "gelu_and_mul", approximate, fused=True)]
+
+
+def _ref_rope(x, cos, sin):
+    """float64 reference, half-split convention: pairs (x_i, x_{i+R/2}) as complex numbers times cos + i sin."""
+    import torch
+
+    half = cos.shape[-1] // 2
+    z = torch.complex(x[..., :half], x[..., half:2 * half]) * torch.complex(cos[..., :half], sin[..., :half])
+    return torch.cat([z.real, z.imag, x[..., 2 * half:]], -1)
+
+
+def _check_rope(fk, device, dtype_name, cached) -> list[tuple[str, float]]:
+    """q (2, 4 heads, 5, 24) and k (2 heads) with partial rotary (16 of 24): forward q/k, backward dq/dk."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    q, k, dq, dk, angles = _inputs(dtype, device, 300, (2, 4, 5, 24), (2, 2, 5, 24), (2, 4, 5, 24), (2, 2, 5, 24),
+                                   (9, 8))
+    table = torch.cat([angles, angles], -1).double()
+    cos_cache, sin_cache = table.cos(), table.sin()
+    positions = torch.tensor([[0, 1, 2, 3, 4], [8, 6, 4, 2, 0]], device=device)
+    q, k = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+    if cached:
+        q_out, k_out = fk.apply_rotary_pos_emb_cached(q, k, cos_cache.to(dtype), sin_cache.to(dtype), positions)
+    else:
+        q_out, k_out = fk.apply_rotary_pos_emb(q, k, cos_cache[positions].to(dtype), sin_cache[positions].to(dtype))
+    torch.autograd.backward([q_out, k_out], [dq, dk])
+    # The reference uses the tables as the op saw them (rounded to dtype), unsqueezed over heads.
+    cos, sin = (t.to(dtype).double()[positions][:, None] for t in (cos_cache, sin_cache))
+    rows = []
+    for name, x, out, grad_out, grad in (("q", q, q_out, dq, q.grad), ("k", k, k_out, dk, k.grad)):
+        x64 = x.detach().double().requires_grad_(True)
+        ref = _ref_rope(x64, cos, sin)
+        ref.backward(grad_out.double())
+        rows += [(f"{name}", _rel_err(out, ref.detach())), (f"d{name}", _rel_err(grad, x64.grad))]
+    return rows
+
+
 # Every exported function needs an entry here: the demo fails on an exported function without one.
 CHECKS = {
     "rms_norm": check_rms_norm,
     "fused_add_rms_norm": check_fused_add_rms_norm,
+    "swiglu": check_swiglu,
+    "geglu": check_geglu,
+    "silu_and_mul": check_silu_and_mul,
+    "gelu_and_mul": check_gelu_and_mul,
+    "apply_rotary_pos_emb": lambda fk, device, dtype_name: _check_rope(fk, device, dtype_name, cached=False),
+    "apply_rotary_pos_emb_cached": lambda fk, device, dtype_name: _check_rope(fk, device, dtype_name, cached=True),
 }
 
 

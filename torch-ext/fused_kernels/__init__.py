@@ -7,6 +7,7 @@ registered torch op (``torch.compile(fullgraph=True)``-safe, with fake and autog
 
 from . import layers
 from ._build_info import BACKEND, VARIANT, VERSION
+from ._rope import apply_rotary_pos_emb, apply_rotary_pos_emb_cached
 from .flash_attn import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -16,11 +17,13 @@ from .flash_attn import (
     flash_attn_varlen_qkvpacked_func,
 )
 from .rms_norm import fused_add_rms_norm, rms_norm
+from .swiglu import geglu, gelu_and_mul, silu_and_mul, swiglu
 
 __version__ = str(VERSION)
 
 __all__ = [
-    "layers", "rms_norm", "fused_add_rms_norm",
+    "layers", "rms_norm", "fused_add_rms_norm", "apply_rotary_pos_emb", "apply_rotary_pos_emb_cached", "swiglu",
+    "geglu", "silu_and_mul", "gelu_and_mul",
     "flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
     "BACKEND", "VARIANT",
