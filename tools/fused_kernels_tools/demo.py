@@ -310,7 +310,85 @@ def _check_rope(fk, device, dtype_name, cached) -> list[tuple[str, float]]:
 
 
 # Every exported function needs an entry here: the demo fails on an exported function without one.
+def _ref_attention(q, k, v, causal):
+    """float64 reference for (batch, seq, heads, dim) tensors: softmax(q k^T / sqrt(d)) v, GQA by repetition,
+    causal masks aligned bottom-right as in FlashAttention-2."""
+    import torch
+
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if causal:
+        rows = torch.arange(q.shape[1])[:, None] + (k.shape[1] - q.shape[1])
+        scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > rows, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v)
+
+
+def _check_attention(fk, device, dtype_name, form) -> list[tuple[str, float]]:
+    """Causal GQA attention (q 2 x 24 x 4 heads x 32, k/v 2 heads) through one of the FA2-style entry points,
+    forward and backward, against float64. float32 is not an FA2 dtype: the check is that it is refused."""
+    import torch
+
+    if dtype_name == "float32":
+        q = torch.zeros(1, 4, 2, 32, device=device)
+        try:
+            fk.flash_attn_func(q, q, q)
+        except TypeError:
+            return [("rejects float32", 0.0)]
+        return [("accepted float32", 1.0)]
+    dtype = getattr(torch, dtype_name)
+    q, k, v, dout = _inputs(dtype, device, 400, (2, 24, 4, 32), (2, 24, 2, 32), (2, 24, 2, 32), (2, 24, 4, 32))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    cu = torch.tensor([0, 24, 48], dtype=torch.int32, device=device)
+    flat = [t.reshape(48, *t.shape[2:]) for t in (q, k, v)]
+    if form == "dense":
+        out = fk.flash_attn_func(q, k, v, causal=True)
+    elif form == "varlen":
+        out = fk.flash_attn_varlen_func(*flat, cu, cu, 24, 24, causal=True).reshape(q.shape)
+    elif form == "kvpacked":
+        out = fk.flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=True)
+    else:  # varlen_kvpacked
+        out = fk.flash_attn_varlen_kvpacked_func(flat[0], torch.stack(flat[1:], 1), cu, cu, 24, 24,
+                                                 causal=True).reshape(q.shape)
+    out.backward(dout)
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_(True) for t in (q, k, v))
+    ref = _ref_attention(q64, k64, v64, causal=True)
+    ref.backward(dout.cpu().double())
+    return [("out", _rel_err(out.cpu(), ref.detach())), ("dq", _rel_err(q.grad.cpu(), q64.grad)),
+            ("dk", _rel_err(k.grad.cpu(), k64.grad)), ("dv", _rel_err(v.grad.cpu(), v64.grad))]
+
+
+def _check_qkv_packed(fk, device, dtype_name, varlen) -> list[tuple[str, float]]:
+    """The qkv-packed forms (equal head counts): q, k, v from one tensor, against float64."""
+    import torch
+
+    if dtype_name == "float32":
+        return _check_attention(fk, device, dtype_name, "dense")
+    dtype = getattr(torch, dtype_name)
+    qkv, dout = _inputs(dtype, device, 500, (2, 20, 3, 2, 32), (2, 20, 2, 32))
+    qkv.requires_grad_(True)
+    if varlen:
+        cu = torch.tensor([0, 20, 40], dtype=torch.int32, device=device)
+        out = fk.flash_attn_varlen_qkvpacked_func(qkv.reshape(40, 3, 2, 32), cu, 20, causal=True).reshape(dout.shape)
+    else:
+        out = fk.flash_attn_qkvpacked_func(qkv, causal=True)
+    out.backward(dout)
+    qkv64 = qkv.detach().cpu().double().requires_grad_(True)
+    ref = _ref_attention(*qkv64.unbind(2), causal=True)
+    ref.backward(dout.cpu().double())
+    return [("out", _rel_err(out.cpu(), ref.detach())), ("dqkv", _rel_err(qkv.grad.cpu(), qkv64.grad))]
+
+
 CHECKS = {
+    "flash_attn_func": lambda fk, device, dtype_name: _check_attention(fk, device, dtype_name, "dense"),
+    "flash_attn_varlen_func": lambda fk, device, dtype_name: _check_attention(fk, device, dtype_name, "varlen"),
+    "flash_attn_kvpacked_func": lambda fk, device, dtype_name: _check_attention(fk, device, dtype_name, "kvpacked"),
+    "flash_attn_varlen_kvpacked_func":
+        lambda fk, device, dtype_name: _check_attention(fk, device, dtype_name, "varlen_kvpacked"),
+    "flash_attn_qkvpacked_func": lambda fk, device, dtype_name: _check_qkv_packed(fk, device, dtype_name, False),
+    "flash_attn_varlen_qkvpacked_func":
+        lambda fk, device, dtype_name: _check_qkv_packed(fk, device, dtype_name, True),
     "rms_norm": check_rms_norm,
     "fused_add_rms_norm": check_fused_add_rms_norm,
     "swiglu": check_swiglu,
