@@ -65,13 +65,22 @@ def _visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right):
 
 @triton.jit
 def _scores_log2(qk, scale, softcap, HAS_SOFTCAP: tl.constexpr):
-    """(scores in log2 units, d score / d (scale * q.k)); the derivative is 1 without soft-capping."""
+    """The scores in log2 units: scale * q.k, soft-capped when HAS_SOFTCAP."""
     s = qk * scale
     if HAS_SOFTCAP:
         # tanh(x) = 1 - 2 / (exp(2x) + 1): finite for every x (exp overflows to inf and gives 1).
-        t = 1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)
-        return softcap * t * LOG2E, 1.0 - t * t
-    return s * LOG2E, 1.0
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    return s * LOG2E
+
+
+@triton.jit
+def _through_softcap(ds, s, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The gradient ds of the capped scores carried back to scale * q.k: times 1 - tanh^2, the tanh being the
+    capped score (log2 units ``s``) over softcap."""
+    if HAS_SOFTCAP:
+        t = s / (softcap * LOG2E)
+        ds = ds * (1.0 - t * t)
+    return ds
 
 
 @triton.jit
@@ -138,7 +147,7 @@ def _fwd_kernel(
         col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
         k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
                     mask=col_mask, other=0.0)
-        s, _ = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
+        s = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
         s = tl.where(_visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with nothing visible yet keeps m = -inf; subtract 0 there so exp2 gives 0, not NaN.
@@ -195,10 +204,10 @@ def _bwd_preprocess_kernel(
 @triton.jit
 def _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left, window_right,
                    HAS_SOFTCAP: tl.constexpr):
-    """P (masked entries 0) of a (rows, cols) tile, recomputed from the lse; and d score / d (scale q.k)."""
-    s, dcap = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
+    """P (masked entries 0) of a (rows, cols) tile, recomputed from the lse; and the scores (log2 units)."""
+    s = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
     visible = _visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right)
-    return tl.where(visible, tl.exp2(s - lse_log2[:, None]), 0.0), dcap
+    return tl.where(visible, tl.exp2(s - lse_log2[:, None]), 0.0), s
 
 
 @triton.jit
@@ -248,7 +257,7 @@ def _bwd_dkdv_kernel(
                          mask=row_mask, other=0.0)
             lse_log2 = tl.load(lse_ptr + row_offsets + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
             delta = tl.load(delta_ptr + row_offsets + rows, mask=rows < seqlen_q, other=0.0)
-            p, dcap = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
+            p, s = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
                                      window_right, HAS_SOFTCAP)
             dp = tl.dot(do, tl.trans(v))
             p_used = p
@@ -257,7 +266,7 @@ def _bwd_dkdv_kernel(
                 p_used = tl.where(keep, p * keep_scale, 0.0)
                 dp = tl.where(keep, dp * keep_scale, 0.0)
             dv += tl.dot(tl.trans(p_used.to(do.dtype)), do)
-            ds = p * (dp - delta[:, None]) * dcap
+            ds = _through_softcap(p * (dp - delta[:, None]), s, softcap, HAS_SOFTCAP)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
 
     tl.store(_tile_ptrs(dk_ptr, batch, kv_head, stride_dkb, stride_dks, stride_dkh, k_start, cols, dims),
@@ -306,12 +315,12 @@ def _bwd_dq_kernel(
                     mask=col_mask, other=0.0)
         v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
                     mask=col_mask, other=0.0)
-        p, dcap = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
+        p, s = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
                                  window_right, HAS_SOFTCAP)
         dp = tl.dot(do, tl.trans(v))
         if HAS_DROPOUT:
             dp = tl.where(_dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold), dp * keep_scale, 0.0)
-        ds = p * (dp - delta[:, None]) * dcap
+        ds = _through_softcap(p * (dp - delta[:, None]), s, softcap, HAS_SOFTCAP)
         dq += tl.dot(ds.to(k.dtype), k)
 
     tl.store(_tile_ptrs(dq_ptr, batch, head, stride_dqb, stride_dqs, stride_dqh, q_start, rows, dims),

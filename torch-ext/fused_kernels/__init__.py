@@ -8,7 +8,7 @@ registered torch op (``torch.compile(fullgraph=True)``-safe, with fake and autog
 from . import layers
 from ._build_info import BACKEND, VARIANT, VERSION
 from ._rope import apply_rotary_pos_emb, apply_rotary_pos_emb_cached
-from .flash_attn import (
+from ._flash_attn import (
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
