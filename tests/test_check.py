@@ -222,12 +222,15 @@ def test_arch_variant_without_archs_and_version_disagreement(build, tmp_path):
     arch = out / "torch211-cxx11-cu130-x86_64-linux"
     metadata = read_metadata(arch)
     del metadata["backend"]["archs"]
-    metadata["version"] = 2
+    built, changed = metadata["version"], metadata["version"] + 1
+    metadata["version"] = changed
     write_metadata(arch, metadata)
     problems = static_problems(out)
     assert "torch211-cxx11-cu130-x86_64-linux/metadata.json: an arch variant must list backend.archs" in problems
-    assert any(p.startswith("variants disagree on version (metadata.json): torch-cpu=1, torch211-") for p in problems), problems
-    assert any("torch211-cxx11-cu130-x86_64-linux/_build_info.py: VERSION = 1, expected 2" in p for p in problems)
+    assert any(p.startswith(f"variants disagree on version (metadata.json): torch-cpu={built}, torch211-")
+               for p in problems), problems
+    assert any(f"torch211-cxx11-cu130-x86_64-linux/_build_info.py: VERSION = {built}, expected {changed}" in p
+               for p in problems)
 
 
 def test_stray_entries_in_the_build_directory(cpu_build):
