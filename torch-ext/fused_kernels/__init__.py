@@ -21,10 +21,7 @@ from .swiglu import geglu, gelu_and_mul, silu_and_mul, swiglu
 
 __version__ = str(VERSION)
 
-__all__ = [
-    "layers", "rms_norm", "fused_add_rms_norm", "apply_rotary_pos_emb", "apply_rotary_pos_emb_cached", "swiglu",
-    "geglu", "silu_and_mul", "gelu_and_mul",
-    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
-    "BACKEND", "VARIANT",
-]
+__all__ = ["layers", "rms_norm", "fused_add_rms_norm", "apply_rotary_pos_emb", "apply_rotary_pos_emb_cached",
+           "swiglu", "geglu", "silu_and_mul", "gelu_and_mul", "flash_attn_func", "flash_attn_varlen_func",
+           "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func", "BACKEND", "VARIANT"]
