@@ -357,6 +357,11 @@ def _strides3(t, varlen):
     return 0 if varlen else t.stride(0), t.stride(1), t.stride(2)
 
 
+def _block_d(head_dim):
+    """The head-dim tile: a power of two, at least 16 (the smallest K of a tensor-core dot)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def _lse_strides(lse, varlen):
     return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
 
@@ -387,7 +392,7 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
          *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(out, varlen),
          *_lse_strides(lse, varlen)),
         dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_SINK=sink is not None, HAS_DROPOUT=dropout_p > 0,
-             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim)),
+             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim)),
         num_warps)
 
 
@@ -400,7 +405,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     ``dsink_rows`` a zeroed fp32 tensor shaped like ``lse``."""
     varlen = cu_seqlens_q is not None
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = _block_d(head_dim)
     threshold, keep_scale = _dropout_args(dropout_p)
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
     lse_strides = _lse_strides(lse, varlen)
