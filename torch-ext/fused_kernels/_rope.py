@@ -225,9 +225,16 @@ class _EagerRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin, position_ids = ctx.saved_tensors
-        # Through apply again, so that the gradient is itself differentiable (double backward).
-        dq, dk = _EagerRope.apply(dq, dk, cos, sin, position_ids, ctx.heads_dim, ctx.interleaved, not ctx.inverse,
-                                  False)
+        if torch.is_grad_enabled():
+            # create_graph: through apply again, so that the gradient is itself differentiable (double backward).
+            dq, dk = _EagerRope.apply(dq, dk, cos, sin, position_ids, ctx.heads_dim, ctx.interleaved,
+                                      not ctx.inverse, False)
+        else:
+            # The gradients have the shapes and dtype of the validated outputs: rotate them back directly.
+            dq_out, dk_out = torch.empty_like(dq), torch.empty_like(dk)
+            _rotate_into(dq, dk, dq_out, dk_out, cos, sin, position_ids, ctx.heads_dim, ctx.interleaved,
+                         not ctx.inverse)
+            dq, dk = dq_out, dk_out
         return dq, dk, None, None, None, None, None, None, None
 
 
