@@ -97,14 +97,55 @@ def _dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold):
 
 
 @triton.jit
-def _key_range(row_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, seqlen_q, seqlen_k, window_left,
-               window_right):
-    """Key columns [lo, hi) that some row of the query tile sees; lo rounded down to a key tile."""
-    shift = seqlen_k - seqlen_q
-    last_row = tl.minimum(row_start + BLOCK_M, seqlen_q) - 1
-    lo = tl.maximum(row_start + shift - window_left, 0)
-    hi = tl.minimum(last_row + shift + window_right + 1, seqlen_k)
-    return (lo // BLOCK_N) * BLOCK_N, hi
+def _partner_tiles(start, BLOCK: tl.constexpr, length, partner_length, offset_lo, offset_hi,
+                   PARTNER_BLOCK: tl.constexpr):
+    """The partner tiles of the tile [start, start + BLOCK) of one axis (``length`` long): partner index j
+    goes with index a iff ``a + offset_lo <= j <= a + offset_hi`` (queries and keys either way round).
+
+    Returns (lo, full_lo, full_hi, hi): [lo, hi) covers every partner that some index of the tile goes with (lo
+    on a tile boundary), and the tiles in [full_lo, full_hi) go with every index of the tile, so they need no
+    masking; the tiles of [lo, full_lo) and [full_hi, hi) do (the diagonal of a causal mask, window edges,
+    sequence ends). Without any whole tile, full_lo = full_hi = hi.
+    """
+    last = tl.minimum(start + BLOCK, length) - 1
+    lo = (tl.maximum(start + offset_lo, 0) // PARTNER_BLOCK) * PARTNER_BLOCK
+    hi = tl.minimum(last + offset_hi + 1, partner_length)
+    full_lo = tl.cdiv(tl.maximum(last + offset_lo, 0), PARTNER_BLOCK) * PARTNER_BLOCK
+    full_hi = (tl.maximum(tl.minimum(start + offset_hi + 1, partner_length), 0) // PARTNER_BLOCK) * PARTNER_BLOCK
+    has_full = full_hi > full_lo
+    return lo, tl.where(has_full, full_lo, hi), tl.where(has_full, full_hi, hi), hi
+
+
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head, k_start,
+              seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr, drop_threshold,
+              keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+              HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key tile of the forward's online softmax; MASKED tiles check bounds, causality and the window."""
+    cols = col_start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
+    else:
+        col_mask = (dims < head_dim)[None, :]
+    k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
+                mask=col_mask, other=0.0)
+    s = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
+    if MASKED:
+        s = tl.where(_visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = m_new
+    if MASKED:
+        # A row with nothing visible yet keeps m = -inf; subtract 0 there so exp2 gives 0, not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if HAS_DROPOUT:
+        p = tl.where(_dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold), p * keep_scale, 0.0)
+    v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
+                mask=col_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -141,26 +182,24 @@ def _fwd_kernel(
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
-    lo, hi = _key_range(row_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right)
-    for col_start in range(lo, hi, BLOCK_N):
-        cols = col_start + tl.arange(0, BLOCK_N)
-        col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
-        k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
-                    mask=col_mask, other=0.0)
-        s = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
-        s = tl.where(_visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with nothing visible yet keeps m = -inf; subtract 0 there so exp2 gives 0, not NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if HAS_DROPOUT:
-            p = tl.where(_dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold), p * keep_scale, 0.0)
-        v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
-                    mask=col_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    shift = seqlen_k - seqlen_q
+    lo, full_lo, full_hi, hi = _partner_tiles(row_start, BLOCK_M, seqlen_q, seqlen_k, shift - window_left,
+                                              shift + window_right, BLOCK_N)
+    for col_start in range(lo, full_lo, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
+                                  k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right,
+                                  seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb,
+                                  stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, True, BLOCK_N)
+    for col_start in range(full_lo, full_hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
+                                  k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right,
+                                  seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb,
+                                  stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, False, BLOCK_N)
+    for col_start in range(full_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
+                                  k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right,
+                                  seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb,
+                                  stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, True, BLOCK_N)
 
     has_mass = l_i > 0.0
     out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
@@ -203,11 +242,70 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left, window_right,
-                   HAS_SOFTCAP: tl.constexpr):
-    """P (masked entries 0) of a (rows, cols) tile, recomputed from the lse; and the scores (log2 units)."""
+                   HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """P of a (rows, cols) tile recomputed from the lse (0 where MASKED tiles mask), and the scores in log2
+    units. Rows past the sequence have lse = +inf, so their P is 0 in every tile."""
     s = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
-    visible = _visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right)
-    return tl.where(visible, tl.exp2(s - lse_log2[:, None]), 0.0), s
+    p = tl.exp2(s - lse_log2[:, None])
+    if MASKED:
+        p = tl.where(_visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right), p, 0.0)
+    return p, s
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, head, n_heads, q_start,
+               seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr, drop_threshold,
+               keep_scale, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One query tile's contribution to dK and dV of the key tile (k, v)."""
+    rows = row_start + tl.arange(0, BLOCK_M)
+    if MASKED:
+        row_mask = (rows < seqlen_q)[:, None] & (dims < head_dim)[None, :]
+    else:
+        row_mask = (dims < head_dim)[None, :]
+    q = tl.load(_tile_ptrs(q_ptr, batch, head, stride_qb, stride_qs, stride_qh, q_start, rows, dims),
+                mask=row_mask, other=0.0)
+    do = tl.load(_tile_ptrs(do_ptr, batch, head, stride_dob, stride_dos, stride_doh, q_start, rows, dims),
+                 mask=row_mask, other=0.0)
+    row_offsets = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start + rows
+    lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seqlen_q, other=float("inf")) * LOG2E
+    delta = tl.load(delta_ptr + row_offsets, mask=rows < seqlen_q, other=0.0)
+    p, s = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
+                          window_right, HAS_SOFTCAP, MASKED)
+    dp = tl.dot(do, tl.trans(v))
+    p_used = p
+    if HAS_DROPOUT:
+        keep = _dropout_keep(seed_ptr, batch * n_heads + head, rows, cols, drop_threshold)
+        p_used = tl.where(keep, p * keep_scale, 0.0)
+        dp = tl.where(keep, dp * keep_scale, 0.0)
+    dv += tl.dot(tl.trans(p_used.to(do.dtype)), do)
+    ds = _through_softcap(p * (dp - delta[:, None]), s, softcap, HAS_SOFTCAP)
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    return dk, dv
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head, k_start,
+             seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr, drop_threshold,
+             keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+             HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key tile's contribution to dQ of the query tile."""
+    cols = col_start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
+    else:
+        col_mask = (dims < head_dim)[None, :]
+    k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
+                mask=col_mask, other=0.0)
+    v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
+                mask=col_mask, other=0.0)
+    p, s = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
+                          window_right, HAS_SOFTCAP, MASKED)
+    dp = tl.dot(do, tl.trans(v))
+    if HAS_DROPOUT:
+        dp = tl.where(_dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold), dp * keep_scale, 0.0)
+    ds = _through_softcap(p * (dp - delta[:, None]), s, softcap, HAS_SOFTCAP)
+    return dq + tl.dot(ds.to(k.dtype), k)
 
 
 @triton.jit
@@ -239,35 +337,30 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
 
-    # Query rows that see some key of this tile: i in [j - shift - right, j - shift + left].
+    # Query rows that see key j: i in [j - shift - right, j - shift + left].
     shift = seqlen_k - seqlen_q
-    last_col = tl.minimum(col_start + BLOCK_N, seqlen_k) - 1
-    lo = tl.maximum(col_start - shift - window_right, 0)
-    hi = tl.minimum(last_col - shift + window_left + 1, seqlen_q)
-    lo = (lo // BLOCK_M) * BLOCK_M
+    lo, full_lo, full_hi, hi = _partner_tiles(col_start, BLOCK_N, seqlen_k, seqlen_q, -shift - window_right,
+                                              -shift + window_left, BLOCK_M)
     for member in range(0, group_size):
         head = kv_head * group_size + member
-        row_offsets = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
-        for row_start in range(lo, hi, BLOCK_M):
-            rows = row_start + tl.arange(0, BLOCK_M)
-            row_mask = (rows < seqlen_q)[:, None] & (dims < head_dim)[None, :]
-            q = tl.load(_tile_ptrs(q_ptr, batch, head, stride_qb, stride_qs, stride_qh, q_start, rows, dims),
-                        mask=row_mask, other=0.0)
-            do = tl.load(_tile_ptrs(do_ptr, batch, head, stride_dob, stride_dos, stride_doh, q_start, rows, dims),
-                         mask=row_mask, other=0.0)
-            lse_log2 = tl.load(lse_ptr + row_offsets + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
-            delta = tl.load(delta_ptr + row_offsets + rows, mask=rows < seqlen_q, other=0.0)
-            p, s = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
-                                     window_right, HAS_SOFTCAP)
-            dp = tl.dot(do, tl.trans(v))
-            p_used = p
-            if HAS_DROPOUT:
-                keep = _dropout_keep(seed_ptr, batch * n_heads + head, rows, cols, drop_threshold)
-                p_used = tl.where(keep, p * keep_scale, 0.0)
-                dp = tl.where(keep, dp * keep_scale, 0.0)
-            dv += tl.dot(tl.trans(p_used.to(do.dtype)), do)
-            ds = _through_softcap(p * (dp - delta[:, None]), s, softcap, HAS_SOFTCAP)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        for row_start in range(lo, full_lo, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, head,
+                                n_heads, q_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
+                                window_right, seed_ptr, drop_threshold, keep_scale, stride_qb, stride_qs, stride_qh,
+                                stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, HAS_SOFTCAP, HAS_DROPOUT,
+                                True, BLOCK_M)
+        for row_start in range(full_lo, full_hi, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, head,
+                                n_heads, q_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
+                                window_right, seed_ptr, drop_threshold, keep_scale, stride_qb, stride_qs, stride_qh,
+                                stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, HAS_SOFTCAP, HAS_DROPOUT,
+                                False, BLOCK_M)
+        for row_start in range(full_hi, hi, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, head,
+                                n_heads, q_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
+                                window_right, seed_ptr, drop_threshold, keep_scale, stride_qb, stride_qs, stride_qh,
+                                stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, HAS_SOFTCAP, HAS_DROPOUT,
+                                True, BLOCK_M)
 
     tl.store(_tile_ptrs(dk_ptr, batch, kv_head, stride_dkb, stride_dks, stride_dkh, k_start, cols, dims),
              (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_mask)
@@ -307,21 +400,24 @@ def _bwd_dq_kernel(
     delta = tl.load(delta_ptr + row_offsets, mask=rows < seqlen_q, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
-    lo, hi = _key_range(row_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right)
-    for col_start in range(lo, hi, BLOCK_N):
-        cols = col_start + tl.arange(0, BLOCK_N)
-        col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
-        k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
-                    mask=col_mask, other=0.0)
-        v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
-                    mask=col_mask, other=0.0)
-        p, s = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
-                                 window_right, HAS_SOFTCAP)
-        dp = tl.dot(do, tl.trans(v))
-        if HAS_DROPOUT:
-            dp = tl.where(_dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold), dp * keep_scale, 0.0)
-        ds = _through_softcap(p * (dp - delta[:, None]), s, softcap, HAS_SOFTCAP)
-        dq += tl.dot(ds.to(k.dtype), k)
+    shift = seqlen_k - seqlen_q
+    lo, full_lo, full_hi, hi = _partner_tiles(row_start, BLOCK_M, seqlen_q, seqlen_k, shift - window_left,
+                                              shift + window_right, BLOCK_N)
+    for col_start in range(lo, full_lo, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
+                      k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr,
+                      drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                      HAS_SOFTCAP, HAS_DROPOUT, True, BLOCK_N)
+    for col_start in range(full_lo, full_hi, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
+                      k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr,
+                      drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                      HAS_SOFTCAP, HAS_DROPOUT, False, BLOCK_N)
+    for col_start in range(full_hi, hi, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
+                      k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr,
+                      drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                      HAS_SOFTCAP, HAS_DROPOUT, True, BLOCK_N)
 
     tl.store(_tile_ptrs(dq_ptr, batch, head, stride_dqb, stride_dqs, stride_dqh, q_start, rows, dims),
              (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
