@@ -228,10 +228,38 @@ def check_fused_add_rms_norm(fk, device, dtype_name) -> list[tuple[str, float]]:
             ("dresidual", _rel_err(r.grad, r64.grad)), ("dw", _rel_err(w.grad, w64.grad))]
 
 
+def _ref_cross_entropy(x, target, ignore_index=-100):
+    """float64 reference: mean over non-ignored tokens of logsumexp(x) - x[target]."""
+    import torch
+
+    counted = target != ignore_index
+    y = torch.where(counted, target, 0)
+    per_token = torch.logsumexp(x, -1) - x.gather(-1, y[..., None])[..., 0]
+    return torch.where(counted, per_token, 0.0).sum() / counted.sum()
+
+
+def check_cross_entropy(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """cross_entropy (mean, one ignored token): loss and dlogits."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    (x,) = _inputs(dtype, device, 300, (6, 300))
+    target = torch.arange(6, device=device) * 37
+    target[2] = -100
+    x.requires_grad_(True)
+    loss = fk.cross_entropy(x, target)
+    loss.backward()
+    x64 = x.detach().double().requires_grad_(True)
+    ref = _ref_cross_entropy(x64, target)
+    ref.backward()
+    return [("loss", _rel_err(loss, ref.detach())), ("dlogits", _rel_err(x.grad, x64.grad))]
+
+
 # Every exported function needs an entry here: the demo fails on an exported function without one.
 CHECKS = {
     "rms_norm": check_rms_norm,
     "fused_add_rms_norm": check_fused_add_rms_norm,
+    "cross_entropy": check_cross_entropy,
 }
 
 

@@ -7,8 +7,9 @@ registered torch op (``torch.compile(fullgraph=True)``-safe, with fake and autog
 
 from . import layers
 from ._build_info import BACKEND, VARIANT, VERSION
+from .cross_entropy import cross_entropy
 from .rms_norm import fused_add_rms_norm, rms_norm
 
 __version__ = str(VERSION)
 
-__all__ = ["layers", "rms_norm", "fused_add_rms_norm", "BACKEND", "VARIANT"]
+__all__ = ["layers", "rms_norm", "fused_add_rms_norm", "cross_entropy", "BACKEND", "VARIANT"]
