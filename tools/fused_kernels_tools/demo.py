@@ -255,11 +255,32 @@ def check_cross_entropy(fk, device, dtype_name) -> list[tuple[str, float]]:
     return [("loss", _rel_err(loss, ref.detach())), ("dlogits", _rel_err(x.grad, x64.grad))]
 
 
+def check_fused_linear_cross_entropy(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """fused_linear_cross_entropy (mean, two chunks, one ignored token): loss, dhidden, dweight."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    hidden, weight = _inputs(dtype, device, 400, (6, 32), (300, 32))
+    weight = (weight * 0.2).detach()
+    target = torch.arange(6, device=device) * 41
+    target[3] = -100
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    loss = fk.fused_linear_cross_entropy(hidden, weight, target, chunk_tokens=4)
+    loss.backward()
+    h64, w64 = (t.detach().double().requires_grad_(True) for t in (hidden, weight))
+    ref = _ref_cross_entropy(h64 @ w64.T, target)
+    ref.backward()
+    return [("loss", _rel_err(loss, ref.detach())), ("dhidden", _rel_err(hidden.grad, h64.grad)),
+            ("dweight", _rel_err(weight.grad, w64.grad))]
+
+
 # Every exported function needs an entry here: the demo fails on an exported function without one.
 CHECKS = {
     "rms_norm": check_rms_norm,
     "fused_add_rms_norm": check_fused_add_rms_norm,
     "cross_entropy": check_cross_entropy,
+    "fused_linear_cross_entropy": check_fused_linear_cross_entropy,
 }
 
 

@@ -19,4 +19,10 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm",
         "transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm",
     ),
+    "FusedLinearCrossEntropyForCausalLM": (
+        "transformers.models.llama.modeling_llama.LlamaForCausalLM",
+        "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM",
+        "transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM",
+        "transformers.models.mistral.modeling_mistral.MistralForCausalLM",
+    ),
 }
