@@ -77,7 +77,8 @@ def _cross_entropy_kernel(
     r = 1.0
     if MEAN:
         denominator = tl.load(constants_ptr)
-        r = tl.where(denominator != 0.0, 1.0 / denominator, 0.0)
+        # D = 0 only when no row is counted: every loss and gradient is then 0 (or NaN) whatever r is.
+        r = 1.0 / tl.where(denominator != 0.0, denominator, 1.0)
     smoothing_per_class = label_smoothing / n_cols
     # Rows that are not counted read no logits: pass 1 does not run for them, pass 2 masks every load.
     n_read = tl.where(counted, n_cols, 0)
@@ -91,19 +92,20 @@ def _cross_entropy_kernel(
             mask = cols < n_cols
             z = tl.load(row_ptr + cols * logits_stride_col, mask=mask, other=0.0).to(tl.float32)
             x, _ = _soft_cap(z, softcap, HAS_SOFTCAP)
+            if HAS_SMOOTHING:  # (lanes past the row end hold x = 0 here)
+                if HAS_WEIGHT:
+                    weighted_sum += tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) * x
+                else:
+                    weighted_sum += x
             x = tl.where(mask, x, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(x, axis=0))
             # While every logit so far is -inf, subtract 0 instead of -inf (exp(-inf - -inf) would be NaN).
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
             running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
             running_max = new_max
-            if HAS_SMOOTHING:
-                if HAS_WEIGHT:
-                    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                    weighted_sum += tl.where(mask, w * x, 0.0)
-                else:
-                    weighted_sum += tl.where(mask, x, 0.0)
-        lse = tl.where(running_max == float("-inf"), 0.0, running_max) + tl.log(running_sum)
+        # Rows that are not counted read nothing: give them lse 0 rather than log(0), which keeps -inf and NaN
+        # out of their (discarded) arithmetic.
+        lse = tl.where(running_max == float("-inf"), 0.0, running_max) + tl.log(tl.where(counted, running_sum, 1.0))
         x_y, _ = _soft_cap(tl.load(row_ptr + y_safe * logits_stride_col, mask=counted, other=0.0).to(tl.float32),
                            softcap, HAS_SOFTCAP)
         ce = (1.0 - label_smoothing) * w_y * (lse - x_y)
@@ -116,7 +118,7 @@ def _cross_entropy_kernel(
         tl.store(loss_ptr + row, loss)
         if STORE_Z_LOSS:
             tl.store(z_loss_ptr + row, tl.where(ignored, 0.0, tl.where(counted, r * z_loss, float("nan"))))
-        tl.store(lse_ptr + row, tl.where(counted, lse, 0.0))
+        tl.store(lse_ptr + row, lse)
     else:
         lse = tl.load(lse_ptr + row)
 

@@ -326,7 +326,8 @@ def test_bf16_real_shapes(fk, shape):
 @pytest.mark.skipif(not ON_GPU, reason="peak memory is measured with torch.cuda")
 def test_peak_memory_is_bounded_by_a_chunk(fk):
     """32k tokens of a 152k vocabulary: the logits alone would be 19.9 GB in fp32 (10 GB in bf16). Ours: one
-    chunk of logits, the fp32 weight-gradient buffer and its bf16 rounding, and the hidden gradient."""
+    chunk of logits, the fp32 weight-gradient buffer and its bf16 rounding, and the hidden gradient (twice, in
+    case autograd copies it into .grad)."""
     n_tokens, n_hidden, vocab, chunk = 32768, 1024, 151936, 2048
     hidden, weight, _, target = make_inputs((n_tokens, n_hidden, vocab), torch.bfloat16)
     h, w = leaf(hidden), leaf(weight)
@@ -336,7 +337,7 @@ def test_peak_memory_is_bounded_by_a_chunk(fk):
     fk.fused_linear_cross_entropy(h, w, target, chunk_tokens=chunk).backward()
     torch.cuda.synchronize()
     peak_extra = torch.cuda.max_memory_allocated() - held
-    bound = chunk * vocab * 2 + vocab * n_hidden * (4 + 2) + n_tokens * n_hidden * 2 + 64 * 2**20
+    bound = chunk * vocab * 2 + vocab * n_hidden * (4 + 2) + 2 * n_tokens * n_hidden * 2 + 64 * 2**20
     assert peak_extra <= bound, f"peak extra {peak_extra / 2**30:.2f} GiB > bound {bound / 2**30:.2f} GiB"
     assert peak_extra < n_tokens * vocab * 2 / 4
 

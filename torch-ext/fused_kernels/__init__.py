@@ -13,4 +13,5 @@ from .rms_norm import fused_add_rms_norm, rms_norm
 
 __version__ = str(VERSION)
 
-__all__ = ["layers", "rms_norm", "fused_add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "BACKEND", "VARIANT"]
+__all__ = ["layers", "rms_norm", "fused_add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "BACKEND",
+           "VARIANT"]

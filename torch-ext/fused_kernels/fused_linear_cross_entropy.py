@@ -124,7 +124,9 @@ def _run(hidden, weight, target, bias, class_weight, opts, return_z_loss, chunk_
     z_rows = torch.empty_like(rows) if return_z_loss else None
     lse = torch.empty_like(rows)
     grad_hidden = torch.empty((n_tokens, n_hidden), device=device, dtype=hidden.dtype) if need_hidden else None
-    weight_acc = torch.zeros((vocab, n_hidden), device=device, dtype=torch.float32) if need_weight else None
+    # The first chunk's GEMM overwrites the whole buffer; it needs zeros only when there is no chunk at all.
+    allocate = torch.empty if n_tokens else torch.zeros
+    weight_acc = allocate((vocab, n_hidden), device=device, dtype=torch.float32) if need_weight else None
     bias_acc = torch.zeros(vocab, device=device, dtype=torch.float32) if need_bias else None
     chunk = min(chunk_tokens, max(n_tokens, 1))
     buffer = torch.empty((chunk, vocab), device=device, dtype=hidden.dtype)
