@@ -130,12 +130,13 @@ def test_digest_equals_kernels_hash_variant(build):
 
 def test_ids_and_namespaces_of_a_clean_build(build, source):
     rev = git(source, "rev-parse", "HEAD").strip()[:7]
+    version = tomllib.loads((source / "build.toml").read_text())["general"]["version"]
     for variant in sorted(build.iterdir()):
         backend = "cpu" if variant.name == "torch-cpu" else "cuda"
         expected = f"_fused_kernels_{backend}_{rev}"
         assert read_metadata(variant)["id"] == expected
         assert ops_name(variant) == expected
-        assert build_info(variant) == {"BACKEND": backend, "VARIANT": variant.name, "VERSION": 1,
+        assert build_info(variant) == {"BACKEND": backend, "VARIANT": variant.name, "VERSION": version,
                                        "COMMIT": git(source, "rev-parse", "HEAD").strip(), "DIRTY": False}
 
 

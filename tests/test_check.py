@@ -222,12 +222,15 @@ def test_arch_variant_without_archs_and_version_disagreement(build, tmp_path):
     arch = out / "torch211-cxx11-cu130-x86_64-linux"
     metadata = read_metadata(arch)
     del metadata["backend"]["archs"]
-    metadata["version"] = 2
+    built, changed = metadata["version"], metadata["version"] + 1
+    metadata["version"] = changed
     write_metadata(arch, metadata)
     problems = static_problems(out)
     assert "torch211-cxx11-cu130-x86_64-linux/metadata.json: an arch variant must list backend.archs" in problems
-    assert any(p.startswith("variants disagree on version (metadata.json): torch-cpu=1, torch211-") for p in problems), problems
-    assert any("torch211-cxx11-cu130-x86_64-linux/_build_info.py: VERSION = 1, expected 2" in p for p in problems)
+    assert any(p.startswith(f"variants disagree on version (metadata.json): torch-cpu={built}, torch211-")
+               for p in problems), problems
+    assert any(f"torch211-cxx11-cu130-x86_64-linux/_build_info.py: VERSION = {built}, expected {changed}" in p
+               for p in problems)
 
 
 def test_stray_entries_in_the_build_directory(cpu_build):
@@ -285,6 +288,11 @@ RUNTIME_CORRUPTIONS = {
         class UnlistedLayer(_torch_for_check_test.nn.Module):
             def forward(self, x):
                 return x
+
+
+        class ApplyRotaryPosEmb(_torch_for_check_test.nn.Module):
+            def forward(self, q, k, cos, sin):
+                return q, k
         """,
 }
 
@@ -319,6 +327,13 @@ def test_layer_state_must_exist_on_the_replaced_class(runtime_check):
 
 def test_layer_missing_from_the_table(runtime_check):
     assert any("torch-cpu/layers.py: layer UnlistedLayer is not in fused_kernels_tools/layer_table.py" in line
+               for line in runtime_check), runtime_check
+
+
+def test_function_layer_is_validated_against_the_kernelizable_function(runtime_check):
+    """transformers' `apply_rotary_pos_emb` is a function turned into a module; the layer must match its arity."""
+    assert any("torch-cpu/layers.py: layer ApplyRotaryPosEmb cannot replace apply_rotary_pos_emb: Forward signature"
+               " of layers.ApplyRotaryPosEmb does not match" in line and "different number of arguments" in line
                for line in runtime_check), runtime_check
 
 

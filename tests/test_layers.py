@@ -85,3 +85,64 @@ def test_transformers_kernel_config_swaps_rms_norm(build_dir, monkeypatch):
     torch.testing.assert_close(logits, ref_logits, rtol=2e-2, atol=2e-2)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# rotary_pos_emb: a kernelizable *function*. transformers turns `apply_rotary_pos_emb` into one module-level
+# instance per model file and kernelize rebinds that instance's forward, so the swap is process-wide for that
+# model type: the fixture below puts the original back after each test.
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def restore_llama_rotary():
+    from transformers.models.llama import modeling_llama
+
+    yield modeling_llama.apply_rotary_pos_emb
+    vars(modeling_llama.apply_rotary_pos_emb).pop("forward", None)
+
+
+@pytest.mark.parametrize("variant", ["selected"] if ON_GPU else ["torch-cpu", "torch-cuda (interpreter)"])
+def test_kernelize_rotary_pos_emb_matches_unpatched(build_dir, variant, restore_llama_rotary):
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    reference = tiny_llama(dtype).train()
+    input_ids = torch.randint(0, 128, (2, 16), device=DEVICE)
+    ref_logits, ref_grads = loss_and_grads(reference, input_ids)  # before the process-wide swap
+
+    # A fresh model, not a deepcopy: a copy's `_kernel_funcs` would hold a copy of the function module, which
+    # the attention's forward (calling the module-level function) never uses.
+    patched = tiny_llama(dtype).train()
+    layer = LocalLayerRepository(variant_paths(build_dir)[variant], layer_name="ApplyRotaryPosEmb")
+    with use_kernel_mapping({"rotary_pos_emb": {DEVICE.type: layer}}, inherit_mapping=False):
+        patched = kernelize(patched, mode=Mode.TRAINING, device=DEVICE.type, use_fallback=KernelizeFallback.NO_LAYER)
+    rotary = restore_llama_rotary
+    assert rotary.forward.__func__.__module__.endswith(".layers"), "kernelize did not swap in the Hub layer"
+    assert all(rotary in m._kernel_funcs.values() for m in patched.modules()
+               if type(m).__name__ == "LlamaAttention")
+
+    logits, grads = loss_and_grads(patched, input_ids)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, **tol)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="transformers' KernelConfig supports only accelerator devices (not cpu)")
+def test_transformers_kernel_config_swaps_rotary_pos_emb(build_dir, monkeypatch, restore_llama_rotary):
+    """`KernelConfig({"rotary_pos_emb": ("myorg/fused-kernels:ApplyRotaryPosEmb", {"revision": ...})})`."""
+    from transformers import KernelConfig
+
+    monkeypatch.setenv("LOCAL_KERNELS", f"myorg/fused-kernels={build_dir}")
+    reference = tiny_llama(torch.bfloat16).train()
+    input_ids = torch.randint(0, 128, (2, 16), device=DEVICE)
+    ref_logits, ref_grads = loss_and_grads(reference, input_ids)
+
+    patched = tiny_llama(torch.bfloat16).train()
+    config = KernelConfig({"rotary_pos_emb": ("myorg/fused-kernels:ApplyRotaryPosEmb",
+                                              {"revision": "v1", "trust_remote_code": True})}, inherit_mapping=False)
+    patched.set_use_kernels(True, config)
+    assert restore_llama_rotary.forward.__func__.__module__.endswith(".layers")
+
+    logits, grads = loss_and_grads(patched, input_ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=2e-2, atol=2e-2)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")

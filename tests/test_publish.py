@@ -259,9 +259,9 @@ def test_builds_that_do_not_match_the_release_table_are_refused(hub, env, source
     # An API that differs from the table.
     table = tmp_path / "releases.toml"
     api = package_all(source)
-    table.write_text(releases_toml([(2, "HEAD", api + ["swiglu"])]))
+    table.write_text(releases_toml([(2, "HEAD", api + ["never_exported"])]))
     proc = publish(built / "v2", source, env, "--releases", str(table), check=False)
-    assert proc.returncode == 1 and "no longer exports ['swiglu'] of v2's api" in proc.stderr
+    assert proc.returncode == 1 and "no longer exports ['never_exported'] of v2's api" in proc.stderr
     # A version the table does not define.
     table.write_text(releases_toml([(3, "HEAD", api)]))
     proc = publish(built / "v2", source, env, "--releases", str(table), check=False)
@@ -488,8 +488,8 @@ def test_demo_fails_on_an_exported_function_without_a_check(hub, tmp_path):
     """The demo's client refuses a kernel exporting a function it has no check for."""
     src = make_snapshot(tmp_path / "src")
     init = src / "torch-ext" / "fused_kernels" / "__init__.py"
-    text = init.read_text().replace('__all__ = ["layers",', '__all__ = ["layers", "swiglu",')
-    init.write_text(text + "\n\ndef swiglu(x):\n    return x\n")
+    text = init.read_text().replace('__all__ = ["layers",', '__all__ = ["layers", "unchecked",')
+    init.write_text(text + "\n\ndef unchecked(x):\n    return x\n")
     git(src, "commit", "-q", "-am", "a function without a demo check")
     out = tmp_path / "out"
     run_tool("build", "--source", str(src), "--out", str(out), "--only", "torch-cpu", "--version", "2")
@@ -497,5 +497,5 @@ def test_demo_fails_on_an_exported_function_without_a_check(hub, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fused_kernels_tools.demo", "--repo-id", REPO_ID, "revision=v2"],
                           env=hub_env(hub.url, tmp_path / "hf-client"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "exported functions without a check in demo.CHECKS: ['swiglu']" in proc.stdout
-    assert "swiglu               -         NO CHECK" in proc.stdout
+    assert "exported functions without a check in demo.CHECKS: ['unchecked']" in proc.stdout
+    assert "unchecked            -         NO CHECK" in proc.stdout

@@ -228,6 +228,87 @@ def check_fused_add_rms_norm(fk, device, dtype_name) -> list[tuple[str, float]]:
             ("dresidual", _rel_err(r.grad, r64.grad)), ("dw", _rel_err(w.grad, w64.grad))]
 
 
+def _check_gated(fk, device, dtype_name, name, approximate, fused) -> list[tuple[str, float]]:
+    """One gated activation (SiLU when `approximate` is None, else GELU), forward and backward, from two
+    tensors or from one fused (..., 2I) tensor, against float64 `act(gate) * up`."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = getattr(torch, dtype_name)
+    width = 96
+    x, dy = _inputs(dtype, device, 300, (3, 5, 2 * width), (3, 5, width))
+    x.requires_grad_(True)
+    kwargs = {} if approximate is None else {"approximate": approximate}
+    y = getattr(fk, name)(x, **kwargs) if fused else getattr(fk, name)(x[..., :width], x[..., width:], **kwargs)
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_(True)
+    gate, up = x64[..., :width], x64[..., width:]
+    ref = (F.silu(gate) if approximate is None else F.gelu(gate, approximate=approximate)) * up
+    ref.backward(dy.double())
+    label = "silu" if approximate is None else f"gelu {approximate}"
+    return [(f"{label} y", _rel_err(y, ref.detach())),
+            (f"{label} dgate", _rel_err(x.grad[..., :width], x64.grad[..., :width])),
+            (f"{label} dup", _rel_err(x.grad[..., width:], x64.grad[..., width:]))]
+
+
+def check_swiglu(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """silu(gate) * up, forward and backward (dgate, dup)."""
+    return _check_gated(fk, device, dtype_name, "swiglu", None, fused=False)
+
+
+def check_geglu(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """gelu(gate) * up, exact and tanh-approximated, forward and backward."""
+    return [row for approximate in ("none", "tanh")
+            for row in _check_gated(fk, device, dtype_name, "geglu", approximate, fused=False)]
+
+
+def check_silu_and_mul(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """silu(x[..., :I]) * x[..., I:] from one fused tensor, forward and backward."""
+    return _check_gated(fk, device, dtype_name, "silu_and_mul", None, fused=True)
+
+
+def check_gelu_and_mul(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """gelu(x[..., :I]) * x[..., I:], exact and tanh-approximated, from one fused tensor."""
+    return [row for approximate in ("none", "tanh")
+            for row in _check_gated(fk, device, dtype_name, "gelu_and_mul", approximate, fused=True)]
+
+
+def _ref_rope(x, cos, sin):
+    """float64 reference, half-split convention: pairs (x_i, x_{i+R/2}) as complex numbers times cos + i sin."""
+    import torch
+
+    half = cos.shape[-1] // 2
+    z = torch.complex(x[..., :half], x[..., half:2 * half]) * torch.complex(cos[..., :half], sin[..., :half])
+    return torch.cat([z.real, z.imag, x[..., 2 * half:]], -1)
+
+
+def _check_rope(fk, device, dtype_name, cached) -> list[tuple[str, float]]:
+    """q (2, 4 heads, 5, 24) and k (2 heads) with partial rotary (16 of 24): forward q/k, backward dq/dk."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    q, k, dq, dk, angles = _inputs(dtype, device, 300, (2, 4, 5, 24), (2, 2, 5, 24), (2, 4, 5, 24), (2, 2, 5, 24),
+                                   (9, 8))
+    table = torch.cat([angles, angles], -1).double()
+    cos_cache, sin_cache = table.cos(), table.sin()
+    positions = torch.tensor([[0, 1, 2, 3, 4], [8, 6, 4, 2, 0]], device=device)
+    q, k = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+    if cached:
+        q_out, k_out = fk.apply_rotary_pos_emb_cached(q, k, cos_cache.to(dtype), sin_cache.to(dtype), positions)
+    else:
+        q_out, k_out = fk.apply_rotary_pos_emb(q, k, cos_cache[positions].to(dtype), sin_cache[positions].to(dtype))
+    torch.autograd.backward([q_out, k_out], [dq, dk])
+    # The reference uses the tables as the op saw them (rounded to dtype), unsqueezed over heads.
+    cos, sin = (t.to(dtype).double()[positions][:, None] for t in (cos_cache, sin_cache))
+    rows = []
+    for name, x, out, grad_out, grad in (("q", q, q_out, dq, q.grad), ("k", k, k_out, dk, k.grad)):
+        x64 = x.detach().double().requires_grad_(True)
+        ref = _ref_rope(x64, cos, sin)
+        ref.backward(grad_out.double())
+        rows += [(f"{name}", _rel_err(out, ref.detach())), (f"d{name}", _rel_err(grad, x64.grad))]
+    return rows
+
+
 def _ref_cross_entropy(x, target, ignore_index=-100):
     """float64 reference: mean over non-ignored tokens of logsumexp(x) - x[target]."""
     import torch
@@ -276,9 +357,93 @@ def check_fused_linear_cross_entropy(fk, device, dtype_name) -> list[tuple[str, 
 
 
 # Every exported function needs an entry here: the demo fails on an exported function without one.
+def _ref_attention(q, k, v, causal):
+    """float64 reference for (batch, seq, heads, dim) tensors: softmax(q k^T / sqrt(d)) v, GQA by repetition,
+    causal masks aligned bottom-right as in FlashAttention-2."""
+    import torch
+
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if causal:
+        rows = torch.arange(q.shape[1])[:, None] + (k.shape[1] - q.shape[1])
+        scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > rows, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v)
+
+
+def _check_attention(fk, device, dtype_name, form) -> list[tuple[str, float]]:
+    """Causal GQA attention (q 2 x 24 x 4 heads x 32, k/v 2 heads) through one of the FA2-style entry points,
+    forward and backward, against float64. float32 is not an FA2 dtype: the check is that it is refused."""
+    import torch
+
+    if dtype_name == "float32":
+        q = torch.zeros(1, 4, 2, 32, device=device)
+        try:
+            fk.flash_attn_func(q, q, q)
+        except TypeError:
+            return [("rejects float32", 0.0)]
+        return [("accepted float32", 1.0)]
+    dtype = getattr(torch, dtype_name)
+    q, k, v, dout = _inputs(dtype, device, 400, (2, 24, 4, 32), (2, 24, 2, 32), (2, 24, 2, 32), (2, 24, 4, 32))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    cu = torch.tensor([0, 24, 48], dtype=torch.int32, device=device)
+    flat = [t.reshape(48, *t.shape[2:]) for t in (q, k, v)]
+    if form == "dense":
+        out = fk.flash_attn_func(q, k, v, causal=True)
+    elif form == "varlen":
+        out = fk.flash_attn_varlen_func(*flat, cu, cu, 24, 24, causal=True).reshape(q.shape)
+    elif form == "kvpacked":
+        out = fk.flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=True)
+    else:  # varlen_kvpacked
+        out = fk.flash_attn_varlen_kvpacked_func(flat[0], torch.stack(flat[1:], 1), cu, cu, 24, 24,
+                                                 causal=True).reshape(q.shape)
+    out.backward(dout)
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_(True) for t in (q, k, v))
+    ref = _ref_attention(q64, k64, v64, causal=True)
+    ref.backward(dout.cpu().double())
+    return [("out", _rel_err(out.cpu(), ref.detach())), ("dq", _rel_err(q.grad.cpu(), q64.grad)),
+            ("dk", _rel_err(k.grad.cpu(), k64.grad)), ("dv", _rel_err(v.grad.cpu(), v64.grad))]
+
+
+def _check_qkv_packed(fk, device, dtype_name, varlen) -> list[tuple[str, float]]:
+    """The qkv-packed forms (equal head counts): q, k, v from one tensor, against float64."""
+    import torch
+
+    if dtype_name == "float32":
+        return _check_attention(fk, device, dtype_name, "dense")
+    dtype = getattr(torch, dtype_name)
+    qkv, dout = _inputs(dtype, device, 500, (2, 20, 3, 2, 32), (2, 20, 2, 32))
+    qkv.requires_grad_(True)
+    if varlen:
+        cu = torch.tensor([0, 20, 40], dtype=torch.int32, device=device)
+        out = fk.flash_attn_varlen_qkvpacked_func(qkv.reshape(40, 3, 2, 32), cu, 20, causal=True).reshape(dout.shape)
+    else:
+        out = fk.flash_attn_qkvpacked_func(qkv, causal=True)
+    out.backward(dout)
+    qkv64 = qkv.detach().cpu().double().requires_grad_(True)
+    ref = _ref_attention(*qkv64.unbind(2), causal=True)
+    ref.backward(dout.cpu().double())
+    return [("out", _rel_err(out.cpu(), ref.detach())), ("dqkv", _rel_err(qkv.grad.cpu(), qkv64.grad))]
+
+
 CHECKS = {
+    "flash_attn_func": lambda fk, device, dtype_name: _check_attention(fk, device, dtype_name, "dense"),
+    "flash_attn_varlen_func": lambda fk, device, dtype_name: _check_attention(fk, device, dtype_name, "varlen"),
+    "flash_attn_kvpacked_func": lambda fk, device, dtype_name: _check_attention(fk, device, dtype_name, "kvpacked"),
+    "flash_attn_varlen_kvpacked_func":
+        lambda fk, device, dtype_name: _check_attention(fk, device, dtype_name, "varlen_kvpacked"),
+    "flash_attn_qkvpacked_func": lambda fk, device, dtype_name: _check_qkv_packed(fk, device, dtype_name, False),
+    "flash_attn_varlen_qkvpacked_func":
+        lambda fk, device, dtype_name: _check_qkv_packed(fk, device, dtype_name, True),
     "rms_norm": check_rms_norm,
     "fused_add_rms_norm": check_fused_add_rms_norm,
+    "swiglu": check_swiglu,
+    "geglu": check_geglu,
+    "silu_and_mul": check_silu_and_mul,
+    "gelu_and_mul": check_gelu_and_mul,
+    "apply_rotary_pos_emb": lambda fk, device, dtype_name: _check_rope(fk, device, dtype_name, cached=False),
+    "apply_rotary_pos_emb_cached": lambda fk, device, dtype_name: _check_rope(fk, device, dtype_name, cached=True),
     "cross_entropy": check_cross_entropy,
     "fused_linear_cross_entropy": check_fused_linear_cross_entropy,
 }

@@ -95,6 +95,9 @@ def check_layers(module, variant_dir: Path) -> list[tuple[str, str]]:
             except (ImportError, AttributeError) as e:
                 problems.append((where, f"layer {name}: cannot import {target} from layer_table.py: {e}"))
                 continue
+            if not inspect.isclass(original) and hasattr(type(original), "kernel_layer_name"):
+                # A kernelizable function: kernelize validates against the module class it was turned into.
+                original = type(original)
             try:
                 _validate_layer(check_cls=original, cls=cls, repo=f"layers.{name}")
             except TypeError as e:

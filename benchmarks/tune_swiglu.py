@@ -1,0 +1,102 @@
+"""Tune the SwiGLU/GeGLU launch table for the GPU this runs on and write it into ``configs/swiglu.json``.
+
+For each row-width bucket (powers of two) it times every candidate tile and warp count of the forward and the
+backward kernel (SiLU, bf16, contiguous rows, about 64M elements per tensor: well past the L2 cache) and keeps
+the fastest. The activations differ only in a few fp32 instructions per element, so one table serves all
+three. The result is data: the package reads it at run time and never autotunes.
+
+    python benchmarks/tune_swiglu.py --build <variants dir> [--write torch-ext/fused_kernels/configs/swiglu.json]
+                                     [--buckets 4096 16384]
+
+``--buckets`` tunes a coarser table (each bucket serves the widths up to it, the last one every wider row).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+BUCKETS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+TARGET_ELEMENTS = 64 * 1024 * 1024
+TILE_ELEMENTS = (1024, 2048, 4096, 8192)
+MAX_BLOCK_COLS = 8192
+WARPS = (2, 4, 8, 16)
+
+
+def candidate_tiles(n_cols):
+    """(block_rows, block_cols) per tile size: whole rows (up to MAX_BLOCK_COLS wide), or a one-row chunk."""
+    widest = min(triton.next_power_of_2(n_cols), MAX_BLOCK_COLS)
+    tiles = set()
+    for elements in TILE_ELEMENTS:
+        for block_cols in (widest, elements):
+            if block_cols <= min(widest, elements):
+                tiles.add((elements // block_cols, block_cols))
+    return sorted(tiles)
+
+
+def time_ms(fn):
+    return do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+
+def tune(kernel_module, n_cols):
+    n_rows = max(1, TARGET_ELEMENTS // n_cols)
+    gate, up, dout = (torch.randn(n_rows, n_cols, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, d_gate, d_up = (torch.empty_like(gate) for _ in range(3))
+    layout = (n_rows, 0, n_cols, 1)
+    best = {"forward": None, "backward": None}
+    for block_rows, block_cols in candidate_tiles(n_cols):
+        for warps in WARPS:
+            tile = dict(block_rows=block_rows, block_cols=block_cols, num_warps=warps)
+            fwd = time_ms(lambda: kernel_module.gated_forward(gate, layout, up, layout, out, n_cols, n_rows, n_cols,
+                                                              "silu", **tile))
+            bwd = time_ms(lambda: kernel_module.gated_backward(dout, layout, gate, layout, up, layout, d_gate, d_up,
+                                                               n_cols, n_rows, n_cols, "silu", **tile))
+            for kernel, ms in (("forward", fwd), ("backward", bwd)):
+                if best[kernel] is None or ms < best[kernel][0]:
+                    best[kernel] = (ms, tile)
+    return n_rows, best
+
+
+def to_entries(results, kernel):
+    """Sorted table entries; the last bucket also serves every wider row."""
+    return [{"max_cols": None if i == len(results) - 1 else n_cols, **best[kernel][1]}
+            for i, (n_cols, best) in enumerate(results)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", type=Path, required=True, help="directory of built variants")
+    parser.add_argument("--write", type=Path, help="config file to update (the device's entry only)")
+    parser.add_argument("--buckets", type=int, nargs="+", default=BUCKETS, help="row-width buckets (default: all)")
+    args = parser.parse_args()
+
+    import kernels
+
+    fk = kernels.get_local_kernel(args.build)
+    device_name = torch.cuda.get_device_name()
+    results = []
+    for n_cols in sorted(args.buckets):
+        n_rows, best = tune(fk._kernels.swiglu, n_cols)
+        results.append((n_cols, best))
+        elements = n_rows * n_cols
+        gbps = {k: (3 if k == "forward" else 5) * 2 * elements / (best[k][0] * 1e6) for k in best}
+        print(f"I={n_cols:>6} T={n_rows:>7}  fwd {best['forward'][0] * 1e3:8.1f} us {gbps['forward']:5.0f} GB/s "
+              f"{best['forward'][1]}  bwd {best['backward'][0] * 1e3:8.1f} us {gbps['backward']:5.0f} GB/s "
+              f"{best['backward'][1]}", flush=True)
+
+    table = json.loads(args.write.read_text()) if args.write and args.write.exists() else {}
+    for kernel in ("forward", "backward"):
+        table.setdefault(kernel, {})[device_name] = to_entries(results, kernel)
+    text = json.dumps(table, indent=2) + "\n"
+    if args.write:
+        args.write.write_text(text)
+        print(f"wrote {args.write}")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

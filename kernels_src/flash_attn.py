@@ -1,0 +1,446 @@
+"""Flash attention, forward and backward (FlashAttention-2 semantics), for dense and variable-length batches.
+
+Layouts. q is ``(batch, seq_q, heads, head_dim)`` (dense) or ``(total_q, heads, head_dim)`` (varlen, sequence b
+being rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``); k and v likewise with ``kv_heads`` heads. Every tensor is
+addressed through its own batch/sequence/head strides (the batch stride is 0 for varlen), so the transposed
+views transformers passes are read in place; only the head dimension must be contiguous. Offsets are int64.
+
+Masking. Query row i of a sequence sees key j iff ``i + d - left <= j <= i + d + right`` with
+``d = seq_k - seq_q`` (FlashAttention-2's bottom-right alignment); the launcher turns ``causal`` into
+``right = 0`` and an unlimited side into a large bound. A row that sees no key outputs 0 and gets
+``lse = +inf`` (so the backward's ``exp(s - lse)`` is 0 there, never NaN).
+
+Scores. ``s = scale * q.k``, then ``softcap * tanh(s / softcap)`` when soft-capping. Softmax runs in base 2
+(``exp2``; scores are multiplied by log2(e) once) with the online rescaling of FlashAttention-2. An attention
+sink (``s_aux[head]``, gpt-oss) is an extra logit in every row's softmax with a zero value vector: it starts
+the running max and sum. The returned lse is natural-log and includes the sink.
+
+Dropout. ``keep(i, j)`` comes from Philox keyed by the seed and counted by (key index, query index,
+batch * heads + head, 0): a function of the element's position only, so the forward and both backward
+kernels regenerate the same mask whatever order they visit tiles in. Kept probabilities are scaled by
+``1 / (1 - p)``.
+
+Backward (deterministic by construction, no atomics). ``_bwd_preprocess_kernel`` computes
+``delta_i = sum(dO_i * O_i)``. ``_bwd_dkdv_kernel`` owns one key tile of one kv head and loops over the
+query tiles of every query head of its group, so the GQA reduction of dK/dV happens in registers.
+``_bwd_dq_kernel`` owns one query tile and loops over key tiles. Both recompute P from q, k and the lse:
+  dV = P_drop^T dO,   dP = dO V^T (dropped and rescaled like P),   dS = P * (dP - delta),
+  dS *= 1 - tanh^2 (soft-capping),   dQ = scale * dS K,   dK = scale * dS^T Q.
+"""
+
+import triton
+import triton.language as tl
+
+from ._launch import launch
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _seq_bounds(cu_seqlens_ptr, batch, fixed_len, IS_VARLEN: tl.constexpr):
+    """(first row, length) of a batch element: from cu_seqlens (varlen) or the fixed dense length."""
+    start = 0
+    length = fixed_len
+    if IS_VARLEN:
+        start = tl.load(cu_seqlens_ptr + batch)
+        length = tl.load(cu_seqlens_ptr + batch + 1) - start
+    return start, length
+
+
+@triton.jit
+def _tile_ptrs(ptr, batch, head, stride_b, stride_s, stride_h, seq_start, positions, dims):
+    """Pointers to the (positions, dims) tile of one head of one sequence."""
+    base = ptr + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
+    return base + (seq_start + positions).to(tl.int64)[:, None] * stride_s + dims[None, :]
+
+
+@triton.jit
+def _visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right):
+    """Which (query row, key column) pairs attend to each other (bounds, causality and window)."""
+    shifted = rows[:, None] + (seqlen_k - seqlen_q)
+    return ((rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
+            & (cols[None, :] >= shifted - window_left) & (cols[None, :] <= shifted + window_right))
+
+
+@triton.jit
+def _scores_log2(qk, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The scores in log2 units: scale * q.k, soft-capped when HAS_SOFTCAP."""
+    s = qk * scale
+    if HAS_SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): finite for every x (exp overflows to inf and gives 1).
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    return s * LOG2E
+
+
+@triton.jit
+def _through_softcap(ds, s, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The gradient ds of the capped scores carried back to scale * q.k: times 1 - tanh^2, the tanh being the
+    capped score (log2 units ``s``) over softcap."""
+    if HAS_SOFTCAP:
+        t = s / (softcap * LOG2E)
+        ds = ds * (1.0 - t * t)
+    return ds
+
+
+@triton.jit
+def _dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold):
+    """Keep mask of the (rows, cols) tile: Philox of the element's position, kept when >= p * 2**32.
+
+    The seed is read from device memory (drawn there by the caller), so no host value bakes into a CUDA graph."""
+    seed = tl.load(seed_ptr)
+    zero = tl.zeros((rows.shape[0], cols.shape[0]), dtype=tl.uint32)
+    key_index = zero + cols[None, :].to(tl.uint32)
+    query_index = zero + rows[:, None].to(tl.uint32)
+    bits, _, _, _ = tl.philox(seed, key_index, query_index, zero + batch_head.to(tl.uint32), zero)
+    return bits.to(tl.int64) >= drop_threshold
+
+
+@triton.jit
+def _key_range(row_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, seqlen_q, seqlen_k, window_left,
+               window_right):
+    """Key columns [lo, hi) that some row of the query tile sees; lo rounded down to a key tile."""
+    shift = seqlen_k - seqlen_q
+    last_row = tl.minimum(row_start + BLOCK_M, seqlen_q) - 1
+    lo = tl.maximum(row_start + shift - window_left, 0)
+    hi = tl.minimum(last_row + shift + window_right + 1, seqlen_k)
+    return (lo // BLOCK_N) * BLOCK_N, hi
+
+
+@triton.jit
+def _fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+    fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, scale, softcap, window_left, window_right,
+    seed_ptr, drop_threshold, keep_scale,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row_start = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch = batch_head // n_heads
+    head = batch_head % n_heads
+    kv_head = head // group_size
+    q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
+    if row_start >= seqlen_q:
+        return
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = (rows < seqlen_q)[:, None] & (dims < head_dim)[None, :]
+    q = tl.load(_tile_ptrs(q_ptr, batch, head, stride_qb, stride_qs, stride_qh, q_start, rows, dims),
+                mask=row_mask, other=0.0)
+
+    if HAS_SINK:
+        m_i = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(sink_ptr + head).to(tl.float32) * LOG2E
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32) + 1.0
+    else:
+        m_i = tl.zeros((BLOCK_M,), dtype=tl.float32) - float("inf")
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    lo, hi = _key_range(row_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right)
+    for col_start in range(lo, hi, BLOCK_N):
+        cols = col_start + tl.arange(0, BLOCK_N)
+        col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
+        k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
+                    mask=col_mask, other=0.0)
+        s = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
+        s = tl.where(_visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing visible yet keeps m = -inf; subtract 0 there so exp2 gives 0, not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if HAS_DROPOUT:
+            p = tl.where(_dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold), p * keep_scale, 0.0)
+        v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
+                    mask=col_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has_mass = l_i > 0.0
+    out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
+    tl.store(_tile_ptrs(o_ptr, batch, head, stride_ob, stride_os, stride_oh, q_start, rows, dims),
+             out.to(o_ptr.dtype.element_ty), mask=row_mask)
+    lse = tl.where(has_mass, (m_i + tl.log2(tl.where(has_mass, l_i, 1.0))) * LN2, float("inf"))
+    lse_ptrs = lse_ptr + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start + rows
+    tl.store(lse_ptrs, lse, mask=rows < seqlen_q)
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    o_ptr, do_ptr, lse_ptr, delta_ptr, sink_ptr, dsink_rows_ptr, cu_seqlens_q_ptr,
+    fixed_seqlen_q, n_heads, head_dim,
+    stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+    IS_VARLEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """delta = rowsum(dO * O); with a sink, also each row's term -P_sink * delta of d(sink)."""
+    row_start = tl.program_id(0) * BLOCK_M
+    batch = tl.program_id(1) // n_heads
+    head = tl.program_id(1) % n_heads
+    q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
+    if row_start >= seqlen_q:
+        return
+    rows = row_start + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (rows < seqlen_q)[:, None] & (dims < head_dim)[None, :]
+    o = tl.load(_tile_ptrs(o_ptr, batch, head, stride_ob, stride_os, stride_oh, q_start, rows, dims), mask=mask,
+                other=0.0).to(tl.float32)
+    do = tl.load(_tile_ptrs(do_ptr, batch, head, stride_dob, stride_dos, stride_doh, q_start, rows, dims),
+                 mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    offsets = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start + rows
+    tl.store(delta_ptr + offsets, delta, mask=rows < seqlen_q)
+    if HAS_SINK:
+        lse = tl.load(lse_ptr + offsets, mask=rows < seqlen_q, other=float("inf"))
+        p_sink = tl.exp(tl.load(sink_ptr + head).to(tl.float32) - lse)
+        tl.store(dsink_rows_ptr + offsets, -p_sink * delta, mask=rows < seqlen_q)
+
+
+@triton.jit
+def _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left, window_right,
+                   HAS_SOFTCAP: tl.constexpr):
+    """P (masked entries 0) of a (rows, cols) tile, recomputed from the lse; and the scores (log2 units)."""
+    s = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
+    visible = _visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right)
+    return tl.where(visible, tl.exp2(s - lse_log2[:, None]), 0.0), s
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+    fixed_seqlen_q, fixed_seqlen_k, n_heads, n_kv_heads, group_size, head_dim, scale, softcap, window_left,
+    window_right, seed_ptr, drop_threshold, keep_scale,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
+    IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    col_start = tl.program_id(0) * BLOCK_N
+    batch = tl.program_id(1) // n_kv_heads
+    kv_head = tl.program_id(1) % n_kv_heads
+    q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
+    if col_start >= seqlen_k:
+        return
+
+    cols = col_start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
+    k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
+                mask=col_mask, other=0.0)
+    v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
+                mask=col_mask, other=0.0)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+
+    # Query rows that see some key of this tile: i in [j - shift - right, j - shift + left].
+    shift = seqlen_k - seqlen_q
+    last_col = tl.minimum(col_start + BLOCK_N, seqlen_k) - 1
+    lo = tl.maximum(col_start - shift - window_right, 0)
+    hi = tl.minimum(last_col - shift + window_left + 1, seqlen_q)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    for member in range(0, group_size):
+        head = kv_head * group_size + member
+        row_offsets = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
+        for row_start in range(lo, hi, BLOCK_M):
+            rows = row_start + tl.arange(0, BLOCK_M)
+            row_mask = (rows < seqlen_q)[:, None] & (dims < head_dim)[None, :]
+            q = tl.load(_tile_ptrs(q_ptr, batch, head, stride_qb, stride_qs, stride_qh, q_start, rows, dims),
+                        mask=row_mask, other=0.0)
+            do = tl.load(_tile_ptrs(do_ptr, batch, head, stride_dob, stride_dos, stride_doh, q_start, rows, dims),
+                         mask=row_mask, other=0.0)
+            lse_log2 = tl.load(lse_ptr + row_offsets + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
+            delta = tl.load(delta_ptr + row_offsets + rows, mask=rows < seqlen_q, other=0.0)
+            p, s = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
+                                     window_right, HAS_SOFTCAP)
+            dp = tl.dot(do, tl.trans(v))
+            p_used = p
+            if HAS_DROPOUT:
+                keep = _dropout_keep(seed_ptr, batch * n_heads + head, rows, cols, drop_threshold)
+                p_used = tl.where(keep, p * keep_scale, 0.0)
+                dp = tl.where(keep, dp * keep_scale, 0.0)
+            dv += tl.dot(tl.trans(p_used.to(do.dtype)), do)
+            ds = _through_softcap(p * (dp - delta[:, None]), s, softcap, HAS_SOFTCAP)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+
+    tl.store(_tile_ptrs(dk_ptr, batch, kv_head, stride_dkb, stride_dks, stride_dkh, k_start, cols, dims),
+             (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(_tile_ptrs(dv_ptr, batch, kv_head, stride_dvb, stride_dvs, stride_dvh, k_start, cols, dims),
+             dv.to(dv_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+    fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, scale, softcap, window_left, window_right,
+    seed_ptr, drop_threshold, keep_scale,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
+    IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row_start = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch = batch_head // n_heads
+    head = batch_head % n_heads
+    kv_head = head // group_size
+    q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
+    if row_start >= seqlen_q:
+        return
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = (rows < seqlen_q)[:, None] & (dims < head_dim)[None, :]
+    q = tl.load(_tile_ptrs(q_ptr, batch, head, stride_qb, stride_qs, stride_qh, q_start, rows, dims),
+                mask=row_mask, other=0.0)
+    do = tl.load(_tile_ptrs(do_ptr, batch, head, stride_dob, stride_dos, stride_doh, q_start, rows, dims),
+                 mask=row_mask, other=0.0)
+    row_offsets = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start + rows
+    lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seqlen_q, other=float("inf")) * LOG2E
+    delta = tl.load(delta_ptr + row_offsets, mask=rows < seqlen_q, other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    lo, hi = _key_range(row_start, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, window_left, window_right)
+    for col_start in range(lo, hi, BLOCK_N):
+        cols = col_start + tl.arange(0, BLOCK_N)
+        col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
+        k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
+                    mask=col_mask, other=0.0)
+        v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
+                    mask=col_mask, other=0.0)
+        p, s = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
+                                 window_right, HAS_SOFTCAP)
+        dp = tl.dot(do, tl.trans(v))
+        if HAS_DROPOUT:
+            dp = tl.where(_dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold), dp * keep_scale, 0.0)
+        ds = _through_softcap(p * (dp - delta[:, None]), s, softcap, HAS_SOFTCAP)
+        dq += tl.dot(ds.to(k.dtype), k)
+
+    tl.store(_tile_ptrs(dq_ptr, batch, head, stride_dqb, stride_dqs, stride_dqh, q_start, rows, dims),
+             (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _dropout_mask_kernel(mask_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, fixed_seqlen_q, fixed_seqlen_k, n_heads,
+                         seed_ptr, drop_threshold, max_seqlen_q, max_seqlen_k,
+                         IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keep mask as a (batch, heads, max_seqlen_q, max_seqlen_k) bool tensor (for return_attn_probs)."""
+    row_start = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch = batch_head // n_heads
+    _, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
+    _, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    base = mask_ptr + batch_head.to(tl.int64) * max_seqlen_q * max_seqlen_k
+    for col_start in range(0, max_seqlen_k, BLOCK_N):
+        cols = col_start + tl.arange(0, BLOCK_N)
+        keep = _dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold)
+        inside = (rows < seqlen_q)[:, None] & (cols < seqlen_k)[None, :]
+        tl.store(base + rows.to(tl.int64)[:, None] * max_seqlen_k + cols[None, :], keep & inside,
+                 mask=(rows < max_seqlen_q)[:, None] & (cols < max_seqlen_k)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers. Tensors arrive as 4-D views (batch, seq, heads, head_dim); varlen ones as (1, total, heads, dim)
+# with cu_seqlens given. `window` is (left, right) already normalised (no -1, causal folded into right).
+# ----------------------------------------------------------------------------------------------------------
+
+def _strides3(t, varlen):
+    """(batch, sequence, head) strides; varlen tensors are one (1, total, heads, dim) sequence of rows."""
+    return 0 if varlen else t.stride(0), t.stride(1), t.stride(2)
+
+
+def _block_d(head_dim):
+    """The head-dim tile: a power of two, at least 16 (the smallest K of a tensor-core dot)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _lse_strides(lse, varlen):
+    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+
+def _dropout_args(dropout_p):
+    """(Philox threshold, keep scale): an element is kept when its 32 random bits are >= p * 2**32."""
+    if dropout_p <= 0.0:
+        return 0, 1.0
+    return min(int(dropout_p * 2**32), 2**32 - 1), 1.0 / (1.0 - dropout_p)
+
+
+def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k, n_batch, seqlen_q, seqlen_k,
+                       scale, softcap, window, dropout_p, *, block_m, block_n, num_warps):
+    """Write ``out`` (like q) and ``lse`` (fp32; dense ``(b, h, s_q)`` or varlen ``(h, total_q)``).
+
+    q/k/v/out are 4-D ``(batch, seq, heads, head_dim)``; varlen tensors are ``(1, total, heads, head_dim)`` with
+    ``cu_seqlens_*`` given and ``seqlen_*`` the maximum lengths. ``window`` is ``(left, right)`` normalised by
+    the caller (no -1; causal folded into right). ``seed`` is a 1-element int64 tensor (used with dropout).
+    """
+    varlen = cu_seqlens_q is not None
+    n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    threshold, keep_scale = _dropout_args(dropout_p)
+    launch(
+        _fwd_kernel, (triton.cdiv(seqlen_q, block_m), n_batch * n_heads),
+        (q, k, v, out, lse, sink if sink is not None else lse, cu_seqlens_q if varlen else lse,
+         cu_seqlens_k if varlen else lse, seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim, scale,
+         softcap, window[0], window[1], seed, threshold, keep_scale,
+         *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(out, varlen),
+         *_lse_strides(lse, varlen)),
+        dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_SINK=sink is not None, HAS_DROPOUT=dropout_p > 0,
+             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim)),
+        num_warps)
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, dsink_rows, cu_seqlens_q,
+                        cu_seqlens_k, n_batch, seqlen_q, seqlen_k, scale, softcap, window, dropout_p, *,
+                        block_m, block_n, num_warps):
+    """Write dq, dk, dv and, with a sink, ``dsink_rows`` (per-row terms; their sum per head is d sink).
+
+    Arguments as in ``flash_attn_forward``; ``delta`` is an fp32 scratch tensor shaped like ``lse``, and
+    ``dsink_rows`` a zeroed fp32 tensor shaped like ``lse``."""
+    varlen = cu_seqlens_q is not None
+    n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    block_d = _block_d(head_dim)
+    threshold, keep_scale = _dropout_args(dropout_p)
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
+    lse_strides = _lse_strides(lse, varlen)
+    launch(
+        _bwd_preprocess_kernel, (triton.cdiv(seqlen_q, block_m), n_batch * n_heads),
+        (out, dout, lse, delta, sink if sink is not None else lse, dsink_rows if dsink_rows is not None else lse,
+         cu_q, seqlen_q, n_heads, head_dim, *_strides3(out, varlen), *_strides3(dout, varlen), *lse_strides),
+        dict(IS_VARLEN=varlen, HAS_SINK=sink is not None, BLOCK_M=block_m, BLOCK_D=block_d),
+        num_warps)
+    shared = (scale, softcap, window[0], window[1], seed, threshold, keep_scale)
+    constexprs = dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=dropout_p > 0,
+                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
+    launch(
+        _bwd_dkdv_kernel, (triton.cdiv(seqlen_k, block_n), n_batch * n_kv_heads),
+        (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_kv_heads,
+         n_heads // n_kv_heads, head_dim, *shared,
+         *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
+         *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides),
+        constexprs, num_warps)
+    launch(
+        _bwd_dq_kernel, (triton.cdiv(seqlen_q, block_m), n_batch * n_heads),
+        (q, k, v, dout, lse, delta, dq, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim,
+         *shared, *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
+         *_strides3(dq, varlen), *lse_strides),
+        constexprs, num_warps)
+
+
+def dropout_keep_mask(mask, seed, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, dropout_p, *, block_m=32,
+                      block_n=32):
+    """Fill ``mask`` (bool, ``(batch, heads, seqlen_q, seqlen_k)``, max lengths for varlen) with the keep mask
+    the kernels apply (False outside each sequence)."""
+    varlen = cu_seqlens_q is not None
+    threshold, _ = _dropout_args(dropout_p)
+    launch(
+        _dropout_mask_kernel, (triton.cdiv(seqlen_q, block_m), mask.shape[0] * mask.shape[1]),
+        (mask, cu_seqlens_q if varlen else seed, cu_seqlens_k if varlen else seed, seqlen_q, seqlen_k,
+         mask.shape[1], seed, threshold, seqlen_q, seqlen_k),
+        dict(IS_VARLEN=varlen, BLOCK_M=block_m, BLOCK_N=block_n), 4)

@@ -1,0 +1,165 @@
+"""Rotary position embedding (RoPE) of q and k in one launch, forward and inverse (the backward).
+
+Indexing. q and k are read through four strides in the logical order (batch, seq, heads, head_dim), so both
+``(batch, heads, seq, head_dim)`` (what transformers passes, usually a transposed view of
+``(batch, seq, heads, head_dim)``) and ``(batch, seq, heads, head_dim)`` are read in place; the launcher only
+permutes the strides. q and k share batch, seq and head_dim, and may have different head counts (GQA/MQA).
+All offsets are int64, so tensors beyond 2**31 elements are fine.
+
+Rotation. Only the first ``rotary_dim`` (R, even) columns of each head rotate, as R/2 pairs (x1, x2) by the
+angle of pair i at that position:
+    y1 = x1 * cos - x2 * sin,    y2 = x2 * cos + x1 * sin
+HALF_SPLIT pairs column i with i + R/2 (transformers' ``rotate_half``); INTERLEAVED pairs 2i with 2i + 1
+(GPT-J; each head's R columns are loaded as one contiguous run and split into even and odd members, so
+the accesses are as wide as in the half-split case). The inverse rotation (``INVERSE``, the backward: the
+rotation is orthogonal, so its transpose is its inverse) negates sin. The columns from R to head_dim pass through: copied when the output is another
+tensor (``COPY_TAIL``), left alone in place. Math in fp32, stores in the output's dtype.
+
+cos/sin have R columns laid out as their convention duplicates each angle: ``cat(freqs, freqs)`` for
+HALF_SPLIT (column i is read, i < R/2) and ``repeat_interleave(freqs, 2)`` for INTERLEAVED (column 2i is
+read). Their row for (batch b, position s) is either ``b * stride_b + s * stride_s`` (tables already gathered
+per position, batch stride 0 to broadcast), or, with ``HAS_POSITIONS``, ``position_ids[b, s] * stride_s``
+into a (max_positions, R) cache; a position outside the cache reads NaN instead of out-of-bounds memory.
+
+ROTARY_DIM and HEAD_DIM are compile-time constants: a model has one of each, and known column bounds let
+the compiler prove whole 16-byte groups in or out of the masks, which keeps the loads and stores vectorised
+(with runtime bounds every access was a 2-byte one on sm_90). Batch, sequence length and head counts are
+runtime values, so new shapes never recompile.
+
+Tiling. A program takes BLOCK_S positions of one batch entry, loads their cos/sin once, and loops over all
+heads of q, then of k, BLOCK_HQ/BLOCK_HK heads at a time, so each angle is fetched from memory once per
+position however many heads share it.
+"""
+
+import triton
+import triton.language as tl
+
+from ._launch import launch
+
+# Compile-time convention switch (globals read inside @triton.jit must be tl.constexpr).
+HALF_SPLIT = tl.constexpr(0)
+INTERLEAVED = tl.constexpr(1)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, batch, positions, pos_mask, n_heads, cos, sin,
+                  x_stride_b, x_stride_s, x_stride_h, x_stride_d, o_stride_b, o_stride_s, o_stride_h, o_stride_d,
+                  ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, CONVENTION: tl.constexpr,
+                  COPY_TAIL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_PAIRS: tl.constexpr, BLOCK_TAIL: tl.constexpr):
+    """Rotate every head of one tensor at the program's positions; cos/sin are (BLOCK_S, BLOCK_PAIRS) fp32."""
+    x_rows = batch * x_stride_b + positions * x_stride_s  # int64 (BLOCK_S,)
+    o_rows = batch * o_stride_b + positions * o_stride_s
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+    for start in range(0, n_heads, BLOCK_H):
+        heads = start + tl.arange(0, BLOCK_H).to(tl.int64)
+        row_mask = pos_mask[:, None] & (heads < n_heads)[None, :]
+        x_heads = (x_rows[:, None] + heads[None, :] * x_stride_h)[:, :, None]  # (BLOCK_S, BLOCK_H, 1)
+        o_heads = (o_rows[:, None] + heads[None, :] * o_stride_h)[:, :, None]
+        if CONVENTION == INTERLEAVED:
+            # One contiguous load of the R columns, split into the even and odd members of each pair, so the
+            # accesses stay as wide as in the half-split case.
+            cols = tl.arange(0, 2 * BLOCK_PAIRS)
+            mask = row_mask[:, :, None] & (cols < ROTARY_DIM)[None, None, :]
+            x = tl.load(x_ptr + x_heads + cols * x_stride_d, mask=mask, other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, BLOCK_PAIRS, 2)))
+            y = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+            y = tl.reshape(y, (BLOCK_S, BLOCK_H, 2 * BLOCK_PAIRS))
+            tl.store(out_ptr + o_heads + cols * o_stride_d, y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            first = tl.arange(0, BLOCK_PAIRS)
+            second = first + ROTARY_DIM // 2
+            mask = row_mask[:, :, None] & (first < ROTARY_DIM // 2)[None, None, :]
+            x1 = tl.load(x_ptr + x_heads + first * x_stride_d, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptr + x_heads + second * x_stride_d, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + o_heads + first * o_stride_d, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.store(out_ptr + o_heads + second * o_stride_d, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty),
+                     mask=mask)
+        if COPY_TAIL:
+            tail = ROTARY_DIM + tl.arange(0, BLOCK_TAIL)
+            tail_mask = row_mask[:, :, None] & (tail < HEAD_DIM)[None, None, :]
+            x = tl.load(x_ptr + x_heads + tail * x_stride_d, mask=tail_mask)
+            tl.store(out_ptr + o_heads + tail * o_stride_d, x, mask=tail_mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr,
+    seq_len, n_q_heads, n_k_heads, max_positions,
+    q_stride_b, q_stride_s, q_stride_h, q_stride_d,
+    qo_stride_b, qo_stride_s, qo_stride_h, qo_stride_d,
+    k_stride_b, k_stride_s, k_stride_h, k_stride_d,
+    ko_stride_b, ko_stride_s, ko_stride_h, ko_stride_d,
+    cos_stride_b, cos_stride_s, cos_stride_d, pos_stride_b, pos_stride_s,
+    ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, CONVENTION: tl.constexpr, INVERSE: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, COPY_TAIL: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+):
+    batch = tl.program_id(1).to(tl.int64)
+    positions = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    pos_mask = positions < seq_len
+
+    if HAS_POSITIONS:
+        cache_rows = tl.load(pos_ptr + batch * pos_stride_b + positions * pos_stride_s, mask=pos_mask,
+                             other=0).to(tl.int64)
+        angle_mask = pos_mask & (cache_rows >= 0) & (cache_rows < max_positions)
+        angle_rows = cache_rows * cos_stride_s
+    else:
+        angle_mask = pos_mask
+        angle_rows = batch * cos_stride_b + positions * cos_stride_s
+    pairs = tl.arange(0, BLOCK_PAIRS)
+    if CONVENTION == INTERLEAVED:
+        angle_cols = 2 * pairs
+    else:
+        angle_cols = pairs
+    angle_offsets = angle_rows[:, None] + (angle_cols * cos_stride_d)[None, :]
+    angle_load_mask = angle_mask[:, None] & (pairs < ROTARY_DIM // 2)[None, :]
+    # NaN for a position outside the cache: the rows it produces show the error instead of hiding it.
+    cos = tl.load(cos_ptr + angle_offsets, mask=angle_load_mask, other=float("nan")).to(tl.float32)
+    sin = tl.load(sin_ptr + angle_offsets, mask=angle_load_mask, other=float("nan")).to(tl.float32)
+    if INVERSE:
+        sin = -sin
+
+    _rotate_heads(q_ptr, q_out_ptr, batch, positions, pos_mask, n_q_heads, cos, sin,
+                  q_stride_b, q_stride_s, q_stride_h, q_stride_d, qo_stride_b, qo_stride_s, qo_stride_h,
+                  qo_stride_d, ROTARY_DIM, HEAD_DIM, CONVENTION, COPY_TAIL, BLOCK_S, BLOCK_HQ, BLOCK_PAIRS,
+                  BLOCK_TAIL)
+    _rotate_heads(k_ptr, k_out_ptr, batch, positions, pos_mask, n_k_heads, cos, sin,
+                  k_stride_b, k_stride_s, k_stride_h, k_stride_d, ko_stride_b, ko_stride_s, ko_stride_h,
+                  ko_stride_d, ROTARY_DIM, HEAD_DIM, CONVENTION, COPY_TAIL, BLOCK_S, BLOCK_HK, BLOCK_PAIRS,
+                  BLOCK_TAIL)
+
+
+def rope(q, k, q_out, k_out, cos, sin, position_ids, rotary_dim, interleaved, inverse, *, block_s, block_h,
+         num_warps):
+    """Launch the rotation of q and k into q_out and k_out, which are the same objects as q and k in place.
+
+    q, k, q_out and k_out are (batch, seq, heads, head_dim) views (any strides; q and k may differ in heads).
+    Without ``position_ids``, cos and sin are (batch, seq, rotary_dim) views (stride 0 to broadcast a batch of
+    1). With ``position_ids``, a (batch, seq) integer view, they are (max_positions, rotary_dim) caches.
+    ``block_h`` caps the heads per inner step.
+    """
+    batch, seq_len, n_q_heads, head_dim = q.shape
+    n_k_heads = k.shape[2]
+    copy_tail = rotary_dim < head_dim and q_out is not q
+    has_positions = position_ids is not None
+    if has_positions:
+        cos_strides = (0, *cos.stride())  # (unused batch, row, column)
+        position_strides = position_ids.stride()
+    else:
+        cos_strides, position_strides = cos.stride(), (0, 0)
+    launch(
+        _rope_kernel, (triton.cdiv(seq_len, block_s), batch),
+        (q, k, q_out, k_out, cos, sin, position_ids if has_positions else cos,
+         seq_len, n_q_heads, n_k_heads, cos.shape[0] if has_positions else 0,
+         *q.stride(), *q_out.stride(), *k.stride(), *k_out.stride(), *cos_strides, *position_strides),
+        dict(ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim, CONVENTION=(INTERLEAVED if interleaved else HALF_SPLIT).value,
+             INVERSE=inverse, HAS_POSITIONS=has_positions, COPY_TAIL=copy_tail, BLOCK_S=block_s,
+             BLOCK_HQ=min(block_h, triton.next_power_of_2(max(n_q_heads, 1))),
+             BLOCK_HK=min(block_h, triton.next_power_of_2(max(n_k_heads, 1))),
+             BLOCK_PAIRS=triton.next_power_of_2(rotary_dim // 2),
+             BLOCK_TAIL=triton.next_power_of_2(head_dim - rotary_dim) if copy_tail else 1),
+        num_warps)

@@ -1,0 +1,149 @@
+"""Gated activations (the GLU family of LLM MLPs): out = act(gate) * up, forward and backward.
+
+``act`` (``ACTIVATION``, a compile-time switch) is SiLU (SwiGLU), the exact erf GELU or the tanh-approximated
+GELU (GeGLU). Math runs in fp32 on values loaded in the input dtype; each output is rounded once, to its
+tensor's dtype.
+
+Shapes. ``gate`` and ``up`` are read as ``n_rows`` rows of ``n_cols`` elements, each through its own strides:
+row ``r`` starts at ``(r // rows_inner) * stride_outer + (r % rows_inner) * stride_inner`` and element ``c`` of
+a row sits at ``c * stride_col`` (the layouts of ``fused_kernels/_layout.py``). A fused ``gate_up`` tensor,
+whose last dimension holds ``[gate | up]``, is not a special case: its halves are two views with the same
+strides whose base pointers lie ``n_cols`` elements apart. Outputs are written at ``row * out_stride_row +
+col``, so the backward can write ``d_gate`` and ``d_up`` straight into the two halves of one ``(..., 2 * I)``
+gradient (``out_stride_row = 2 * I``). Row offsets are int64, so tensors past 2**31 elements are fine.
+
+Grid. One program per ``(BLOCK_ROWS, BLOCK_COLS)`` tile, flattened to one grid axis (row blocks can outnumber
+the 65535 limit of the other axes); consecutive programs take consecutive tiles of a row, so neighbouring
+programs stream neighbouring memory. Triton specialises a column stride of 1 and 16-byte aligned pointers and
+row strides, which is what lets the common layouts use 16-byte vector loads and stores.
+
+Backward. ``d_up = dout * act(gate)`` and ``d_gate = dout * up * act'(gate)``; ``act`` is recomputed from
+``gate``, so nothing but the inputs is kept for the backward.
+"""
+
+import triton
+import triton.language as tl
+
+from ._launch import launch
+
+# Compile-time activation switch (globals read inside @triton.jit must be tl.constexpr).
+SILU = tl.constexpr(0)
+GELU = tl.constexpr(1)
+GELU_TANH = tl.constexpr(2)
+ACTIVATION_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+SQRT_HALF = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 * pi)
+# tanh-GELU: 0.5 * (1 + tanh(u)) = sigmoid(2u), with 2u = TANH_SCALE * (g + TANH_CUBIC * g**3).
+TANH_SCALE = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi)
+TANH_CUBIC = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _activation(g, ACTIVATION: tl.constexpr):
+    """act(g) and act'(g) for fp32 g (the forward drops the derivative; the compiler removes its math)."""
+    if ACTIVATION == GELU:
+        cdf = 0.5 * (1.0 + tl.erf(g * SQRT_HALF))
+        return g * cdf, cdf + g * tl.exp(-0.5 * g * g) * INV_SQRT_2PI
+    # SiLU and tanh-GELU are both g * sigmoid(z(g)), so they share act' = s + g * s * (1 - s) * z'(g):
+    # one sigmoid, and no tanh whose 1 - tanh**2 would cancel.
+    if ACTIVATION == SILU:
+        s = tl.sigmoid(g)
+        act = g * s
+        return act, s + act * (1.0 - s)
+    # Tensors first in products with the constexpr constants: the interpreter keeps `constexpr * tensor` a
+    # constexpr, which tl.sigmoid then rejects.
+    g2 = g * g
+    s = tl.sigmoid((g + g2 * g * TANH_CUBIC) * TANH_SCALE)
+    act = g * s
+    return act, s + act * (1.0 - s) * ((g2 * (3.0 * TANH_CUBIC) + 1.0) * TANH_SCALE)
+
+
+@triton.jit
+def _tile(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """This program's row and column indices, and the in-bounds mask of its tile."""
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(n_cols, BLOCK_COLS)
+    rows = (pid // col_blocks) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = (pid % col_blocks) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    return rows, cols, (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+
+
+@triton.jit
+def _load(ptr, rows, cols, rows_inner, stride_outer, stride_inner, stride_col, mask):
+    """A tile of a strided input, as fp32. Column offsets are int64 too: a column stride (a transposed view)
+    times the row length can pass 2**31."""
+    rows = rows.to(tl.int64)
+    row_offsets = (rows // rows_inner) * stride_outer + (rows % rows_inner) * stride_inner
+    col_offsets = cols.to(tl.int64) * stride_col
+    return tl.load(ptr + row_offsets[:, None] + col_offsets[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, rows, cols, stride_row, value, mask):
+    tl.store(ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :], value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_forward_kernel(
+    gate_ptr, up_ptr, out_ptr,
+    n_rows, n_cols, rows_inner,
+    g_stride_outer, g_stride_inner, g_stride_col,
+    u_stride_outer, u_stride_inner, u_stride_col,
+    out_stride_row,
+    ACTIVATION: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    g = _load(gate_ptr, rows, cols, rows_inner, g_stride_outer, g_stride_inner, g_stride_col, mask)
+    u = _load(up_ptr, rows, cols, rows_inner, u_stride_outer, u_stride_inner, u_stride_col, mask)
+    act, _ = _activation(g, ACTIVATION)
+    _store(out_ptr, rows, cols, out_stride_row, act * u, mask)
+
+
+@triton.jit
+def _gated_backward_kernel(
+    dout_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr,
+    n_rows, n_cols, rows_inner,
+    dy_stride_outer, dy_stride_inner, dy_stride_col,
+    g_stride_outer, g_stride_inner, g_stride_col,
+    u_stride_outer, u_stride_inner, u_stride_col,
+    d_stride_row,
+    ACTIVATION: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    dy = _load(dout_ptr, rows, cols, rows_inner, dy_stride_outer, dy_stride_inner, dy_stride_col, mask)
+    g = _load(gate_ptr, rows, cols, rows_inner, g_stride_outer, g_stride_inner, g_stride_col, mask)
+    u = _load(up_ptr, rows, cols, rows_inner, u_stride_outer, u_stride_inner, u_stride_col, mask)
+    act, d_act = _activation(g, ACTIVATION)
+    _store(d_gate_ptr, rows, cols, d_stride_row, dy * u * d_act, mask)
+    _store(d_up_ptr, rows, cols, d_stride_row, dy * act, mask)
+
+
+def _grid(n_rows, n_cols, block_rows, block_cols):
+    return (triton.cdiv(n_rows, block_rows) * triton.cdiv(n_cols, block_cols),)
+
+
+def gated_forward(gate, gate_layout, up, up_layout, out, out_stride_row, n_rows, n_cols, activation, *,
+                  block_rows, block_cols, num_warps):
+    """Launch the forward: ``out[r, c] = act(gate[r, c]) * up[r, c]``.
+
+    ``gate_layout``/``up_layout`` are ``(rows_inner, stride_outer, stride_inner, stride_col)`` with a common
+    ``rows_inner``; ``out`` has unit column stride and row stride ``out_stride_row``.
+    """
+    if gate_layout[0] != up_layout[0]:
+        raise ValueError("gate and up must share the row grouping (rows_inner)")
+    launch(_gated_forward_kernel, _grid(n_rows, n_cols, block_rows, block_cols),
+           (gate, up, out, n_rows, n_cols, gate_layout[0], *gate_layout[1:], *up_layout[1:], out_stride_row),
+           dict(ACTIVATION=ACTIVATION_IDS[activation], BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols), num_warps)
+
+
+def gated_backward(dout, dout_layout, gate, gate_layout, up, up_layout, d_gate, d_up, d_stride_row, n_rows, n_cols,
+                   activation, *, block_rows, block_cols, num_warps):
+    """Launch the backward: ``d_gate`` and ``d_up`` (unit column stride, row stride ``d_stride_row``; for a fused
+    input, the two halves of one gradient tensor)."""
+    if not dout_layout[0] == gate_layout[0] == up_layout[0]:
+        raise ValueError("dout, gate and up must share the row grouping (rows_inner)")
+    launch(_gated_backward_kernel, _grid(n_rows, n_cols, block_rows, block_cols),
+           (dout, gate, up, d_gate, d_up, n_rows, n_cols, gate_layout[0], *dout_layout[1:], *gate_layout[1:],
+            *up_layout[1:], d_stride_row),
+           dict(ACTIVATION=ACTIVATION_IDS[activation], BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols), num_warps)

@@ -1,0 +1,378 @@
+"""Flash attention against an independent reference, with FlashAttention-2's test rule.
+
+Rule (flash-attention's tests): with ``ref`` the attention computed in float32 from the same inputs and ``pt``
+the same math done in the input dtype, ``max|ours - ref| <= 2 * max|pt - ref| + noise`` for the output and
+``3 *`` for the gradients, where ``noise`` is the rounding of the reference itself. On CPU (Triton interpreter)
+only fp16 runs: the interpreter multiplies bf16 dot operands wrongly (triton#11584); bf16 runs on the GPU.
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICE, ON_GPU
+
+DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
+
+
+def reference(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, s_aux=None, keep=None, dropout_p=0.0,
+              scale=None, upcast=True):
+    """Dense attention for (batch, seq, heads, dim) tensors, in float32 (upcast) or in the input dtype.
+
+    Written from the definitions (bottom-right causal alignment, window bounds, tanh soft-capping, a sink
+    logit per head, dropout by an explicit keep mask), not from the kernels."""
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+        s_aux = s_aux.float() if s_aux is not None else None
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    row = torch.arange(seq_q, device=q.device)[:, None] + (seq_k - seq_q)
+    col = torch.arange(seq_k, device=q.device)[None, :]
+    visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= col <= row
+    if window[0] >= 0:
+        visible &= col >= row - window[0]
+    if window[1] >= 0:
+        visible &= col <= row + window[1]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if s_aux is not None:
+        scores = torch.cat([scores, s_aux[None, :, None, None].expand(*scores.shape[:3], 1).to(scores.dtype)], -1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see nothing output 0
+    if s_aux is not None:
+        probs = probs[..., :-1]
+    if keep is not None:
+        probs = probs * keep / (1 - dropout_p)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    return out.to(dtype)
+
+
+def _noise(x):
+    return 2 * ((x + 0.3 - 0.3) - x).abs().max().item() if x.numel() else 0.0
+
+
+def _max_err(a, b):
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def check_rule(name, ours, pt, ref, factor):
+    assert torch.isfinite(ours).all(), f"{name}: non-finite values"
+    ours_err, pt_err = _max_err(ours, ref), _max_err(pt, ref)
+    bound = factor * pt_err + _noise(ref.float()) + 1e-5
+    assert ours_err <= bound, f"{name}: max error {ours_err:.3e} > {factor} x PyTorch's {pt_err:.3e} + noise"
+
+
+def make_qkv(batch, seq_q, seq_k, heads, kv_heads, dim, dtype, scale=1.0):
+    q = torch.randn(batch, seq_q, heads, dim, device=DEVICE, dtype=dtype) * scale
+    k = torch.randn(batch, seq_k, kv_heads, dim, device=DEVICE, dtype=dtype) * scale
+    v = torch.randn(batch, seq_k, kv_heads, dim, device=DEVICE, dtype=dtype)
+    return q, k, v
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def run_and_check(fk, q, k, v, *, s_aux=None, **options):
+    """Our output and gradients against the float32 and input-dtype references, by the FA test rule."""
+    dout = torch.randn_like(q)
+    grads = {}
+    outs = {}
+    for name, fn in (("ours", lambda *a, **kw: fk.flash_attn_func(*a, **kw)),
+                     ("ref", lambda *a, **kw: reference(*a, **kw, upcast=True)),
+                     ("pt", lambda *a, **kw: reference(*a, **kw, upcast=False))):
+        args = leaves(q, k, v)
+        sink = s_aux.detach().clone().requires_grad_() if s_aux is not None else None
+        extra = dict(options)
+        if name == "ours":
+            extra = {key: val for key, val in extra.items() if key != "window"}
+            extra["window_size"] = options.get("window", (-1, -1))
+        out = fn(*args, s_aux=sink, **extra)
+        out.backward(dout)
+        outs[name] = out.detach()
+        grads[name] = [a.grad for a in args] + ([sink.grad] if sink is not None else [])
+    check_rule("out", outs["ours"], outs["pt"], outs["ref"], 2)
+    for label, ours, pt, ref in zip(("dq", "dk", "dv", "ds_aux"), grads["ours"], grads["pt"], grads["ref"]):
+        check_rule(label, ours, pt, ref, 3)
+
+
+CASES = [
+    # batch, seq_q, seq_k, heads, kv_heads, dim, options
+    (2, 37, 53, 4, 2, 32, {}),
+    (1, 40, 24, 2, 1, 40, {"causal": True}),            # s_q > s_k: the first rows see nothing
+    (2, 24, 61, 3, 3, 64, {"causal": True}),            # s_q < s_k: bottom-right alignment
+    (1, 33, 33, 4, 1, 72, {"window": (5, 3)}),
+    (2, 29, 29, 2, 2, 48, {"causal": True, "window": (7, 7)}),  # transformers' symmetric window with causal
+    (1, 20, 30, 2, 1, 16, {"softcap": 3.0}),
+    (1, 17, 17, 1, 1, 8, {}),                           # the smallest head dim
+    (1, 1, 19, 2, 2, 32, {"causal": True}),              # one query row (decoding)
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:6])) + "-" + "-".join(c[6]) if isinstance(
+    c, tuple) else str(c))
+def test_matches_reference(fk, poisoned_empty, case, dtype):
+    batch, seq_q, seq_k, heads, kv_heads, dim, options = case
+    torch.manual_seed(seq_q * 1000 + seq_k)
+    q, k, v = make_qkv(batch, seq_q, seq_k, heads, kv_heads, dim, dtype)
+    run_and_check(fk, q, k, v, **options)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_sink(fk, poisoned_empty, causal):
+    torch.manual_seed(3)
+    q, k, v = make_qkv(2, 21, 21, 4, 2, 32, torch.float16)
+    run_and_check(fk, q, k, v, s_aux=torch.randn(4, device=DEVICE), causal=causal)
+
+
+def test_softcap_saturates(fk, poisoned_empty):
+    """q and k scaled up so tanh saturates (FlashAttention's softcap test)."""
+    torch.manual_seed(4)
+    q, k, v = make_qkv(1, 25, 31, 2, 1, 32, torch.float16, scale=4.0)
+    run_and_check(fk, q, k, v, softcap=5.0, causal=True)
+
+
+def test_fully_masked_rows_output_zero_and_infinite_lse(fk):
+    q, k, v = make_qkv(1, 6, 2, 2, 2, 16, torch.float16)
+    q, k, v = leaves(q, k, v)
+    out, lse, _ = fk.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    # s_q=6, s_k=2, bottom-right causal: rows 0-3 see no key.
+    assert torch.equal(out[:, :4], torch.zeros_like(out[:, :4]))
+    assert torch.isinf(lse[:, :, :4]).all() and (lse[:, :, :4] > 0).all()
+    assert torch.isfinite(lse[:, :, 4:]).all()
+    out.backward(torch.randn_like(out))
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[:, :4], torch.zeros_like(q.grad[:, :4]))
+
+
+def test_lse_is_natural_log_of_scaled_scores(fk):
+    torch.manual_seed(5)
+    q, k, v = make_qkv(2, 9, 14, 2, 1, 16, torch.float16)
+    _, lse, mask = fk.flash_attn_func(q, k, v, softmax_scale=0.3, return_attn_probs=True)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(2, 2)) * 0.3
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-4)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 2, 9) and mask is None
+
+
+def _varlen_case(lengths_q, lengths_k, heads, kv_heads, dim, dtype, tail=0):
+    cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    total_q, total_k = int(cu_q[-1]) + tail, int(cu_k[-1]) + tail
+    q = torch.randn(total_q, heads, dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(total_k, kv_heads, dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(total_k, kv_heads, dim, device=DEVICE, dtype=dtype)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_per_sequence_reference(fk, poisoned_empty, causal):
+    """Uneven, empty and length-1 sequences, plus rows past cu_seqlens[-1] (they get 0 and zero gradients)."""
+    torch.manual_seed(6)
+    lengths_q, lengths_k = [5, 0, 1, 19, 12], [7, 3, 1, 19, 0]
+    q, k, v, cu_q, cu_k = _varlen_case(lengths_q, lengths_k, 4, 2, 32, torch.float16, tail=3)
+    q, k, v = leaves(q, k, v)
+    out, lse, _ = fk.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), torch.tensor(max(lengths_k)),
+                                            causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert lse.shape == (4, q.shape[0])
+    for b in range(len(lengths_q)):
+        rows_q = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rows_k = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        qs, ks, vs = leaves(q[rows_q][None], k[rows_k][None], v[rows_k][None])
+        results = {}
+        for upcast in (True, False):
+            a = leaves(qs, ks, vs)
+            ref = reference(*a, causal=causal, upcast=upcast)
+            ref.backward(dout[rows_q][None])
+            results[upcast] = (ref.detach(), *[t.grad for t in a])
+        for index, name in enumerate(("out", "dq", "dk", "dv")):
+            ours = (out.detach()[rows_q], q.grad[rows_q], k.grad[rows_k], v.grad[rows_k])[index][None]
+            check_rule(f"sequence {b} {name}", ours, results[False][index], results[True][index],
+                       2 if index == 0 else 3)
+    tail_q, tail_k = slice(int(cu_q[-1]), None), slice(int(cu_k[-1]), None)
+    for t in (out.detach()[tail_q], q.grad[tail_q], k.grad[tail_k], v.grad[tail_k]):
+        assert torch.equal(t, torch.zeros_like(t))
+    assert torch.isinf(lse[:, tail_q]).all()
+
+
+def test_packed_variants_match_unpacked(fk):
+    torch.manual_seed(7)
+    q, k, v = make_qkv(2, 13, 13, 2, 2, 16, torch.float16)
+    expected = fk.flash_attn_func(q, k, v, causal=True)
+    torch.testing.assert_close(fk.flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), causal=True), expected,
+                               rtol=0, atol=0)
+    torch.testing.assert_close(fk.flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=True), expected,
+                               rtol=0, atol=0)
+    cu = torch.tensor([0, 13, 26], dtype=torch.int32, device=DEVICE)
+    flat = [t.reshape(26, 2, 16) for t in (q, k, v)]
+    torch.testing.assert_close(
+        fk.flash_attn_varlen_qkvpacked_func(torch.stack(flat, 1), cu, 13, causal=True).reshape(expected.shape),
+        expected, rtol=0, atol=0)
+    torch.testing.assert_close(
+        fk.flash_attn_varlen_kvpacked_func(flat[0], torch.stack(flat[1:], 1), cu, cu, 13, 13,
+                                           causal=True).reshape(expected.shape), expected, rtol=0, atol=0)
+
+
+def test_strided_views_are_read_in_place(fk, poisoned_empty):
+    """transformers passes (b, s, h, d) views of (b, h, s, d) tensors: same results as contiguous inputs."""
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(2, 3, 11, 16, device=DEVICE, dtype=torch.float16) for _ in range(3))
+    views = [t.transpose(1, 2) for t in (q, k, v)]
+    expected = fk.flash_attn_func(*[t.contiguous() for t in views], causal=True)
+    torch.testing.assert_close(fk.flash_attn_func(*views, causal=True), expected, rtol=0, atol=0)
+
+
+def test_dropout_matches_reference_with_the_returned_mask(fk):
+    torch.manual_seed(9)
+    q, k, v = make_qkv(2, 19, 23, 2, 1, 16, torch.float16)
+    a = leaves(q, k, v)
+    out, _, keep = fk.flash_attn_func(*a, dropout_p=0.3, causal=True, return_attn_probs=True)
+    assert keep.shape == (2, 2, 19, 23) and keep.dtype == torch.bool
+    kept = keep.float().mean().item()
+    assert abs(kept - 0.7) < 0.08, f"kept fraction {kept:.3f}, expected about 0.7"
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    results = {}
+    for upcast in (True, False):
+        r = leaves(q, k, v)
+        ref = reference(*r, causal=True, keep=keep, dropout_p=0.3, upcast=upcast)
+        ref.backward(dout)
+        results[upcast] = [ref.detach()] + [t.grad for t in r]
+    for index, (name, ours) in enumerate(zip(("out", "dq", "dk", "dv"), [out.detach()] + [t.grad for t in a])):
+        check_rule(name, ours, results[False][index], results[True][index], 2 if index == 0 else 3)
+
+
+def test_backward_is_bitwise_deterministic(fk):
+    torch.manual_seed(10)
+    q, k, v = make_qkv(2, 45, 45, 4, 2, 32, torch.float16)
+    dout = torch.randn_like(q)
+    runs = []
+    for _ in range(3):
+        a = leaves(q, k, v)
+        fk.flash_attn_func(*a, causal=True, deterministic=True).backward(dout)
+        runs.append([t.grad for t in a])
+    for run in runs[1:]:
+        for first, again in zip(runs[0], run):
+            assert torch.equal(first, again)
+
+
+def test_inputs_are_not_modified(fk):
+    q, k, v = make_qkv(1, 9, 9, 2, 2, 16, torch.float16)
+    copies = [t.clone() for t in (q, k, v)]
+    a = leaves(q, k, v)
+    fk.flash_attn_func(*a, causal=True).backward(torch.ones_like(q))
+    for t, c in zip((q, k, v), copies):
+        assert torch.equal(t, c)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (lambda q, k, v: (q.float(), k.float(), v.float()), TypeError, "q must have dtype float16, bfloat16"),
+    (lambda q, k, v: (q, k.half() if q.dtype == torch.bfloat16 else k.bfloat16(), v), TypeError, "share a dtype"),
+    (lambda q, k, v: (q[0], k[0], v[0]), ValueError, "4-dimensional"),
+    (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), ValueError, "multiple of 8"),
+    (lambda q, k, v: (q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1)), ValueError,
+     "multiple of the k/v heads"),
+    (lambda q, k, v: (q, k[:, :5], v), ValueError, "k and v must have the same shape"),
+    (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "batch size"),
+])
+def test_bad_inputs_raise_clear_errors(fk, change, error, message):
+    q, k, v = make_qkv(2, 8, 8, 4, 2, 16, torch.float16)
+    with pytest.raises(error, match=message):
+        fk.flash_attn_func(*change(q, k, v))
+
+
+def test_bad_options_raise_clear_errors(fk):
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 16, torch.float16)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        fk.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, device=DEVICE))
+    with pytest.raises(ValueError, match="dropout_p"):
+        fk.flash_attn_func(q, k, v, dropout_p=1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        fk.flash_attn_func(q, k, v, softcap=-1.0)
+    with pytest.raises(ValueError, match="window_size"):
+        fk.flash_attn_func(q, k, v, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="s_aux"):
+        fk.flash_attn_func(q, k, v, s_aux=torch.zeros(3, device=DEVICE))
+    cu = torch.tensor([0, 8], device=DEVICE)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32"):
+        fk.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu.int(), 8, 8)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fk.flash_attn_varlen_func(q[0], k[0], v[0], cu.int(), cu.int(), 8, 8, block_table=cu)
+
+
+def test_torch_cpu_variant_matches_reference(fk_cpu):
+    torch.manual_seed(11)
+    q, k, v = (t.cpu() for t in make_qkv(2, 11, 15, 4, 2, 16, torch.float16))
+    a = leaves(q, k, v)
+    sink = torch.randn(4, requires_grad=True)
+    out = fk_cpu.flash_attn_func(*a, causal=True, window_size=(6, -1), softcap=4.0, s_aux=sink)
+    r = leaves(q, k, v)
+    r_sink = sink.detach().clone().requires_grad_()
+    ref = reference(*r, causal=True, window=(6, -1), softcap=4.0, s_aux=r_sink)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref.backward(dout)
+    for ours, want in zip([t.grad for t in a] + [sink.grad], [t.grad for t in r] + [r_sink.grad]):
+        torch.testing.assert_close(ours.float(), want.float(), atol=5e-3, rtol=5e-3)
+
+
+def test_opcheck(fk):
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    q, k, v = leaves(*make_qkv(2, 64, 64, 4, 2, 64, dtype) if ON_GPU else make_qkv(1, 16, 16, 2, 1, 16, dtype))
+    sink = torch.randn(q.shape[2], device=DEVICE, requires_grad=True)
+    ops = fk._ops.ops
+    torch.library.opcheck(ops.flash_attn_forward, (q, k, v, None, None, q.shape[1], k.shape[1], 0.0, 0.125, True,
+                                                   -1, -1, 0.0, sink))
+
+
+def test_compile_fullgraph(fk):
+    torch._dynamo.reset()
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    q, k, v = make_qkv(2, 128, 128, 8, 2, 64, dtype) if ON_GPU else make_qkv(1, 16, 16, 2, 1, 16, dtype)
+
+    def attention(q, k, v):
+        return fk.flash_attn_func(q, k, v, causal=True)
+
+    compiled = torch.compile(attention, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    eager_args, compiled_args = leaves(q, k, v), leaves(q, k, v)
+    eager_out, compiled_out = attention(*eager_args), compiled(*compiled_args)
+    torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=0)
+    dout = torch.randn_like(eager_out)
+    eager_out.backward(dout)
+    compiled_out.backward(dout)
+    for a, b in zip(eager_args, compiled_args):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="realistic shapes run on the GPU")
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_realistic_shapes(fk, dim, causal):
+    torch.manual_seed(dim)
+    q, k, v = make_qkv(2, 1000, 1000, 8, 2, dim, torch.bfloat16)
+    run_and_check(fk, q, k, v, causal=causal)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs ~10 GB of GPU memory")
+def test_offsets_beyond_int32(fk):
+    """q with more than 2**31 elements: the last sequence's offsets only fit in int64."""
+    seq = 2**31 // (16 * 128) + 64
+    q = torch.randn(1, seq, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 64, 1, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 64, 1, 128, device="cuda", dtype=torch.bfloat16)
+    out = fk.flash_attn_func(q, k, v)
+    tail = slice(seq - 5, seq)
+    want = reference(q[:, tail], k, v)
+    torch.testing.assert_close(out[:, tail], want, atol=2e-2, rtol=2e-2)
+    assert math.isfinite(out[:, -1].float().abs().max().item())

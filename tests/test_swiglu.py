@@ -1,0 +1,471 @@
+"""Gated activations (SwiGLU, GeGLU) from two tensors and from one fused gate_up tensor: numerics, layouts,
+gradients, errors, torch.library integration, the torch-cpu variant and the MLP/activation layers.
+
+The same tests run on the CPU (Triton interpreter, small shapes) and compiled on a GPU (realistic shapes).
+"""
+
+import copy
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kernels import KernelizeFallback, LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub
+from kernels import use_kernel_mapping
+
+from conftest import DEVICE, ON_GPU, REPO_ROOT
+from numerics import assert_close_ratio, rel_err
+
+if str(REPO_ROOT / "tools") not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT / "tools"))  # for fused_kernels_tools.reference_layers
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# (public two-tensor function, public fused function, keyword arguments) per activation.
+ACTIVATIONS = {
+    "silu": ("swiglu", "silu_and_mul", {}),
+    "gelu": ("geglu", "gelu_and_mul", {"approximate": "none"}),
+    "gelu_tanh": ("geglu", "gelu_and_mul", {"approximate": "tanh"}),
+}
+
+# Widths covering one-tile rows, odd sizes and several column tiles of the device's launch table.
+if ON_GPU:
+    SHAPES = [(4096, 4096), (3, 1000, 2048), (17, 8193), (1024, 14336), (2, 3, 11008), (64, 20000)]
+else:
+    SHAPES = [(5, 1), (3, 7), (2, 3, 64), (9, 300), (3, 515)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# References, written independently of the kernels.
+# ----------------------------------------------------------------------------------------------------------
+
+def reference_float64(gate, up, activation):
+    """The exact function in float64, from the textbook formulas."""
+    g = gate.double()
+    if activation == "silu":
+        act = g / (1.0 + torch.exp(-g))
+    elif activation == "gelu":
+        act = 0.5 * g * (1.0 + torch.erf(g / math.sqrt(2.0)))
+    else:
+        act = 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+    return act * up.double()
+
+
+def reference_module(gate, up, activation):
+    """What the replaced module computes in the input dtype (`act_fn(gate) * up`): the error baseline."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="none" if activation == "gelu" else "tanh") * up
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def run_ours(fk, activation, gate, up, fused, dout):
+    """Forward + backward through the public function; returns (out, d_gate, d_up, grad of the fused input)."""
+    two_tensor, fused_name, kwargs = ACTIVATIONS[activation]
+    if fused:
+        gate_up = leaf(torch.cat([gate, up], dim=-1))
+        out = getattr(fk, fused_name)(gate_up, **kwargs)
+        out.backward(dout)
+        width = gate.shape[-1]
+        return out, gate_up.grad[..., :width], gate_up.grad[..., width:], gate_up.grad
+    gate, up = leaf(gate), leaf(up)
+    out = getattr(fk, two_tensor)(gate, up, **kwargs)
+    out.backward(dout)
+    return out, gate.grad, up.grad, None
+
+
+def make_inputs(shape, dtype, device=DEVICE):
+    # Gates up to about +-4 cover the activations' curved region and both tails.
+    gate = 2.0 * torch.randn(shape, device=device, dtype=torch.float32)
+    up = torch.randn(shape, device=device, dtype=torch.float32)
+    return gate.to(dtype), up.to(dtype)
+
+
+def check_against_references(fk, gate, up, activation, dout=None):
+    """Our outputs and gradients against float64, within a small factor of PyTorch's own error; inputs untouched.
+    ``gate``/``up`` may be any strided views (two-tensor form)."""
+    dtype = gate.dtype
+    dout = torch.randn(gate.shape, device=gate.device, dtype=dtype) if dout is None else dout
+    before = [t.clone() for t in (gate, up, dout)]
+
+    two_tensor, _, kwargs = ACTIVATIONS[activation]
+    g, u = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)  # leaves with the views' strides
+    out = getattr(fk, two_tensor)(g, u, **kwargs)
+    out.backward(dout)
+    for b, after in zip(before, (gate, up, dout)):
+        assert torch.equal(b, after), "an input or incoming gradient was modified"
+    compare(out, g.grad, u.grad, gate, up, dout, activation)
+
+
+def compare(out, d_gate, d_up, gate, up, dout, activation):
+    dtype = gate.dtype
+    g64, u64 = leaf(gate.double()), leaf(up.double())
+    ref = reference_float64(g64, u64, activation)
+    ref.backward(dout.double())
+    gb, ub = leaf(gate), leaf(up)
+    base = reference_module(gb, ub, activation)
+    base.backward(dout)
+
+    assert out.dtype == dtype and out.shape == gate.shape and out.is_contiguous()
+    assert d_gate.dtype == dtype and d_up.dtype == dtype
+    assert_close_ratio("out", out, base, ref.detach(), 2.0, dtype)
+    assert_close_ratio("d_gate", d_gate, gb.grad, g64.grad, 3.0, dtype)
+    assert_close_ratio("d_up", d_up, ub.grad, u64.grad, 3.0, dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Numerics.
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fused", [False, True], ids=["two_tensors", "fused"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_matches_references(fk, poisoned_empty, activation, dtype, shape, fused):
+    gate, up = make_inputs(shape, dtype)
+    dout = torch.randn(shape, device=DEVICE, dtype=dtype)
+    inputs_before = [t.clone() for t in (gate, up, dout)]
+    out, d_gate, d_up, d_gate_up = run_ours(fk, activation, gate, up, fused, dout)
+    for before, after in zip(inputs_before, (gate, up, dout)):
+        assert torch.equal(before, after), "an input or incoming gradient was modified"
+    if fused:
+        # One (..., 2I) gradient, written whole by the kernel.
+        assert d_gate_up.shape == (*shape[:-1], 2 * shape[-1]) and d_gate_up.is_contiguous()
+    compare(out, d_gate, d_up, gate, up, dout, activation)
+
+
+# Strided views the kernels must read in place.
+LAYOUTS = {
+    "contiguous": lambda t: t,
+    "transposed_leading": lambda t: t.transpose(0, 1).contiguous().transpose(0, 1),
+    "row_slice_of_wider": lambda t: torch.cat([t, t], dim=-1)[..., : t.shape[-1]],
+    "column_stride_2": lambda t: torch.stack([t, t], dim=-1)[..., 0],
+    "three_groups": lambda t: t.permute(2, 1, 0, 3).contiguous().permute(2, 1, 0, 3),
+}
+STRIDED_SHAPE = (4, 64, 8, 4096) if ON_GPU else (3, 4, 5, 200)
+
+
+@pytest.mark.parametrize("gate_layout, up_layout", [
+    ("transposed_leading", "transposed_leading"), ("row_slice_of_wider", "contiguous"),
+    ("contiguous", "column_stride_2"), ("three_groups", "transposed_leading"), ("column_stride_2", "three_groups"),
+])
+def test_strided_inputs(fk, poisoned_empty, gate_layout, up_layout):
+    gate, up = make_inputs(STRIDED_SHAPE, torch.bfloat16)
+    check_against_references(fk, LAYOUTS[gate_layout](gate), LAYOUTS[up_layout](up), "silu")
+
+
+@pytest.mark.parametrize("layout", ["transposed_leading", "row_slice_of_wider", "column_stride_2"])
+def test_strided_fused_input(fk, poisoned_empty, layout):
+    """A fused gate_up that is itself a strided view: the halves keep its strides."""
+    gate, up = make_inputs(STRIDED_SHAPE, torch.bfloat16)
+    gate_up = LAYOUTS[layout](torch.cat([gate, up], dim=-1)).requires_grad_(True)
+    before = gate_up.detach().clone()
+    out = fk.gelu_and_mul(gate_up, approximate="tanh")
+    dout = torch.randn(out.shape, device=DEVICE, dtype=out.dtype)
+    out.backward(dout)
+    assert torch.equal(gate_up.detach(), before)
+    width = gate.shape[-1]
+    compare(out, gate_up.grad[..., :width], gate_up.grad[..., width:], gate, up, dout, "gelu_tanh")
+
+
+def test_strided_incoming_gradient(fk):
+    gate, up = make_inputs((6, 8, 300), torch.float32)
+    dout = torch.randn(8, 6, 600, device=DEVICE).transpose(0, 1)[..., :300]
+    contiguous = run_ours(fk, "gelu", gate, up, True, dout.contiguous())
+    strided = run_ours(fk, "gelu", gate, up, True, dout)
+    torch.testing.assert_close(strided[3], contiguous[3], rtol=0, atol=0)
+
+
+@settings(max_examples=12 if not ON_GPU else 40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    leading=st.lists(st.integers(1, 5), min_size=0, max_size=3),
+    width=st.integers(1, 700 if not ON_GPU else 20000),
+    dtype=st.sampled_from(DTYPES),
+    activation=st.sampled_from(list(ACTIVATIONS)),
+    gate_layout=st.sampled_from(["contiguous", "row_slice_of_wider", "column_stride_2"]),
+    up_layout=st.sampled_from(["contiguous", "row_slice_of_wider", "column_stride_2"]),
+)
+def test_property_random_shapes(fk, leading, width, dtype, activation, gate_layout, up_layout):
+    torch.manual_seed(len(leading) * 100003 + width)
+    gate, up = make_inputs((*leading, width), dtype)
+    check_against_references(fk, LAYOUTS[gate_layout](gate), LAYOUTS[up_layout](up), activation)
+
+
+def test_empty_inputs(fk):
+    for shape in [(0, 3, 64), (4, 0)]:
+        gate_up = torch.randn(*shape[:-1], 2 * shape[-1], device=DEVICE, requires_grad=True)
+        out = fk.silu_and_mul(gate_up)
+        assert out.shape == shape
+        out.sum().backward()
+        assert gate_up.grad.shape == gate_up.shape
+
+
+def test_gradient_for_one_input_only(fk):
+    gate = torch.randn(5, 64, device=DEVICE)
+    up = torch.randn(5, 64, device=DEVICE, requires_grad=True)
+    fk.swiglu(gate, up).sum().backward()
+    assert rel_err(up.grad, F.silu(gate.double())) < 1e-6
+
+
+def test_backward_twice(fk):
+    """Nothing saved for the backward is overwritten by it (retain_graph)."""
+    gate_up = torch.randn(7, 2 * 96, device=DEVICE, requires_grad=True)
+    out = fk.silu_and_mul(gate_up)
+    out.sum().backward(retain_graph=True)
+    first = gate_up.grad.clone()
+    out.sum().backward()
+    torch.testing.assert_close(gate_up.grad, 2 * first, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bad input gives a clear error naming the argument.
+# ----------------------------------------------------------------------------------------------------------
+
+BAD_TWO_TENSOR = [
+    (lambda d: (torch.randn(4, 8, device=d).double(), torch.randn(4, 8, device=d).double()), TypeError,
+     "gate must have dtype"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.ones(4, 8, device=d, dtype=torch.int32)), TypeError,
+     "up must have dtype"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(4, 8, device=d, dtype=torch.float16)), TypeError,
+     "up must have the dtype of gate"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.randn(4, 9, device=d)), ValueError,
+     r"up must have the shape of gate \(4, 8\)"),
+    (lambda d: (torch.tensor(1.0, device=d), torch.tensor(1.0, device=d)), ValueError,
+     "gate must have at least 1 dimension"),
+    (lambda d: ([1.0], torch.randn(1, device=d)), TypeError, "gate must be a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_TWO_TENSOR)))
+def test_bad_two_tensor_inputs(fk, case):
+    make, error, message = BAD_TWO_TENSOR[case]
+    with pytest.raises(error, match=message):
+        fk.swiglu(*make(DEVICE))
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda d: torch.randn(4, 7, device=d), ValueError, r"gate_up must have an even last dimension.*\(4, 7\)"),
+    (lambda d: torch.randn(4, 8, device=d, dtype=torch.float64), TypeError, "gate_up must have dtype"),
+    (lambda d: torch.tensor(1.0, device=d), ValueError, "gate_up must have at least 1 dimension"),
+])
+def test_bad_fused_inputs(fk, make, error, message):
+    with pytest.raises(error, match=message):
+        fk.silu_and_mul(make(DEVICE))
+
+
+def test_bad_approximate(fk):
+    x = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="approximate must be one of 'none', 'tanh'; got 'erf'"):
+        fk.geglu(x, x, approximate="erf")
+    with pytest.raises(ValueError, match="approximate must be one of"):
+        fk.gelu_and_mul(x, approximate=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a second device type")
+def test_device_mismatch(fk):
+    with pytest.raises(ValueError, match="up is on cpu but gate is on cuda"):
+        fk.swiglu(torch.randn(4, 8, device="cuda"), torch.randn(4, 8))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch.library integration.
+# ----------------------------------------------------------------------------------------------------------
+
+def test_opcheck(fk):
+    shape = (64, 2048) if ON_GPU else (6, 40)
+    gate, up = (leaf(t) for t in make_inputs(shape, torch.float32))
+    gate_up = leaf(torch.cat([gate, up], dim=-1))
+    ops = fk._ops.ops
+    for activation in ACTIVATIONS:
+        torch.library.opcheck(ops.gated_activation, (gate, up, activation))
+        torch.library.opcheck(ops.gated_activation_fused, (gate_up, activation))
+    dout = torch.randn(shape, device=DEVICE)
+    torch.library.opcheck(ops.gated_activation_backward, (dout, gate.detach(), up.detach(), "gelu"))
+    torch.library.opcheck(ops.gated_activation_fused_backward, (dout, gate_up.detach(), "gelu_tanh"))
+
+
+def test_compile_fullgraph(fk):
+    torch._dynamo.reset()
+    shape = (8, 256, 2048) if ON_GPU else (2, 3, 64)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    gate, up = make_inputs(shape, dtype)
+
+    # The ops' outputs are returned as they are: arithmetic around them would be fused and rounded differently
+    # by inductor than by eager, and this test compares bit for bit.
+    def mlp_tail(gate, up, gate_up):
+        return fk.swiglu(gate, up), fk.geglu(gate, up, approximate="tanh"), fk.gelu_and_mul(gate_up)
+
+    compiled = torch.compile(mlp_tail, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    make_args = lambda: [leaf(gate), leaf(up), leaf(torch.cat([gate, up], dim=-1))]  # noqa: E731
+    eager_args, compiled_args = make_args(), make_args()
+    eager_outs, compiled_outs = mlp_tail(*eager_args), compiled(*compiled_args)
+    for eager_out, compiled_out in zip(eager_outs, compiled_outs):
+        torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=0)
+    grads = [torch.randn_like(out) for out in eager_outs]
+    torch.autograd.backward(eager_outs, grads)
+    torch.autograd.backward(compiled_outs, grads)
+    for a, b in zip(eager_args, compiled_args):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU with ~20 GB free: offsets past 2**31 elements")
+def test_offsets_beyond_int32(fk):
+    """A fused input of 2**31 + 2**15 elements: row offsets (row * 2I) pass 2**31 in the last rows."""
+    rows, width = 2**16 + 1, 2**14
+    gate_up = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = fk.silu_and_mul(gate_up)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    for sl in (slice(0, 2), slice(rows - 2, rows)):
+        x, dy = gate_up.detach()[sl], dout[sl]
+        gate, up = x[:, :width], x[:, width:]
+        expected = run_ours(fk, "silu", gate, up, True, dy)
+        assert torch.equal(out[sl], expected[0])
+        assert torch.equal(gate_up.grad[sl], expected[3])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The torch-cpu variant: plain PyTorch, same function.
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fused", [False, True], ids=["two_tensors", "fused"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_torch_cpu_variant_matches_references(fk_cpu, poisoned_empty, activation, dtype, fused):
+    assert fk_cpu.BACKEND == "cpu"
+    gate, up = make_inputs((2, 5, 300), dtype, device="cpu")
+    dout = torch.randn(gate.shape, dtype=dtype)
+    out, d_gate, d_up, _ = run_ours(fk_cpu, activation, gate, up, fused, dout)
+    compare(out, d_gate, d_up, gate, up, dout, activation)
+
+
+def test_kernels_and_portable_path_agree(fk, fk_cpu):
+    gate, up = make_inputs((7, 300), torch.float32, device="cpu")
+    dout = torch.randn(7, 300)
+    for activation in ACTIVATIONS:
+        portable = run_ours(fk_cpu, activation, gate, up, True, dout)
+        ours = run_ours(fk, activation, gate.to(DEVICE), up.to(DEVICE), True, dout.to(DEVICE))
+        torch.testing.assert_close(ours[0].cpu(), portable[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours[3].cpu(), portable[3], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Layers, swapped in with kernelize.
+# ----------------------------------------------------------------------------------------------------------
+
+def variant_paths(build_dir):
+    if ON_GPU:
+        return {"selected": build_dir}
+    return {"torch-cpu": build_dir / "torch-cpu", "torch-cuda (interpreter)": build_dir / "torch-cuda"}
+
+
+VARIANTS = ["selected"] if ON_GPU else ["torch-cpu", "torch-cuda (interpreter)"]
+
+
+def tiny_model(family, dtype):
+    from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (GemmaConfig,
+                                                                                             GemmaForCausalLM)
+    config = config_class(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                          attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return model_class(config).to(device=DEVICE, dtype=dtype)
+
+
+def loss_and_grads(model, input_ids):
+    model.zero_grad()
+    out = model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture
+def kernelizable(monkeypatch):
+    """replace_kernel_forward_from_hub(cls, name) for the test's duration (it sets class attributes)."""
+    def mark(cls, layer_name, condition=None):
+        for attr in ("kernel_layer_name", "kernel_condition"):
+            monkeypatch.setattr(cls, attr, None, raising=False)  # undone (removed) after the test
+        replace_kernel_forward_from_hub(cls, layer_name, condition)
+    return mark
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("family, layer_name", [("llama", "SwiGLUMLP"), ("gemma", "GeGLUMLP")])
+def test_kernelize_mlp_matches_unpatched(build_dir, kernelizable, variant, family, layer_name):
+    """The README recipe: mark the transformers MLP class kernelizable, map it to our layer, kernelize."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    reference = tiny_model(family, dtype).train()
+    patched = copy.deepcopy(reference)
+    cls = type(reference.model.layers[0].mlp)  # LlamaMLP, GemmaMLP
+    kernelizable(cls, layer_name)
+    repo = LocalLayerRepository(variant_paths(build_dir)[variant], layer_name=layer_name)
+    with use_kernel_mapping({layer_name: {DEVICE.type: repo}}, inherit_mapping=False):
+        patched = kernelize(patched, mode=Mode.TRAINING, device=DEVICE.type, use_fallback=KernelizeFallback.NO_LAYER)
+
+    mlps = [m for m in patched.modules() if type(m) is cls]
+    assert mlps and all(m.forward.__func__.__module__.endswith(".layers") for m in mlps), \
+        "kernelize did not swap in the Hub layer"
+    input_ids = torch.randint(0, 128, (2, 16), device=DEVICE)
+    ref_logits, ref_grads = loss_and_grads(reference, input_ids)
+    logits, grads = loss_and_grads(patched, input_ids)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, **tol)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layer_name", ["SiluAndMul", "GeluAndMul", "GeluTanhAndMul"])
+def test_kernelize_activation_layer_matches_reference(build_dir, kernelizable, variant, layer_name):
+    """An MLP with a fused gate_up projection whose activation module opts in to the layer name."""
+    from fused_kernels_tools import reference_layers
+
+    activation_class = getattr(reference_layers, layer_name)
+    kernelizable(activation_class, layer_name)
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(32, 2 * 48), activation_class(), torch.nn.Linear(48, 32))
+    reference = reference.to(DEVICE)
+    patched = copy.deepcopy(reference)
+    repo = LocalLayerRepository(variant_paths(build_dir)[variant], layer_name=layer_name)
+    with use_kernel_mapping({layer_name: {DEVICE.type: repo}}, inherit_mapping=False):
+        patched = kernelize(patched, mode=Mode.TRAINING, device=DEVICE.type, use_fallback=KernelizeFallback.NONE)
+    assert patched[1].forward.__func__.__module__.endswith(".layers")
+
+    x = torch.randn(4, 5, 32, device=DEVICE)
+    outputs = [model(x) for model in (reference, patched)]
+    for out in outputs:
+        out.square().sum().backward()
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
+    for (name, p_ref), p in zip(reference.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="transformers' KernelConfig supports only accelerator devices (not cpu)")
+def test_transformers_kernel_config_swaps_registered_mlp(build_dir, kernelizable, monkeypatch):
+    """KernelConfig accepts `SwiGLUMLP` once the MLP class is registered with replace_kernel_forward_from_hub."""
+    from transformers import KernelConfig
+
+    monkeypatch.setenv("LOCAL_KERNELS", f"myorg/fused-kernels={build_dir}")
+    reference = tiny_model("llama", torch.bfloat16).train()
+    patched = copy.deepcopy(reference)
+    kernelizable(type(reference.model.layers[0].mlp), "SwiGLUMLP")
+    repo = ("myorg/fused-kernels:SwiGLUMLP", {"revision": "v1", "trust_remote_code": True})
+    config = KernelConfig({"SwiGLUMLP": repo}, inherit_mapping=False)
+    patched.set_use_kernels(True, config)
+    mlps = [m.mlp for m in patched.model.layers]
+    assert all(m.forward.__func__.__module__.endswith(".layers") for m in mlps)
+
+    input_ids = torch.randint(0, 128, (2, 16), device=DEVICE)
+    ref_logits, ref_grads = loss_and_grads(reference, input_ids)
+    logits, grads = loss_and_grads(patched, input_ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=2e-2, atol=2e-2)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")

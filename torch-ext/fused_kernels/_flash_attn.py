@@ -1,0 +1,447 @@
+"""Flash attention with FlashAttention-2's Python API: ops, autograd, fake kernels and the public functions.
+
+Drop-in for ``flash_attn`` 2.8: ``flash_attn_func``, ``flash_attn_varlen_func`` and their qkv-/kv-packed
+forms take the same arguments, defaults and return values (see each docstring), so transformers can load
+this package with ``attn_implementation="myorg/fused-kernels@v2"``. Additions: ``s_aux`` (a per-head
+attention-sink logit, with its gradient) and fp16/bf16 on any CUDA GPU Triton supports.
+
+Semantics (FlashAttention-2): layouts ``(batch, seq, heads, head_dim)`` and, varlen, ``(total, heads,
+head_dim)`` with int32 ``cu_seqlens``; GQA/MQA when ``heads % kv_heads == 0``; causal masks aligned
+bottom-right when ``seq_q != seq_k``; ``window_size=(left, right)`` with -1 for unlimited; ``softcap > 0``
+caps the scaled scores with ``softcap * tanh(s / softcap)``; rows that see no key output 0 and get lse
+``+inf``. ``softmax_lse`` is fp32 natural-log: ``(batch, heads, seq_q)`` dense, ``(heads, total_q)`` varlen.
+
+Host synchronisation: none, except that a ``max_seqlen`` given as a 0-d tensor (as transformers does for
+packed sequences) is read with ``int()``, because the launch grid depends on it; pass Python ints to avoid it.
+
+Determinism: the backward uses no atomics (dK/dV and dQ are separate passes), so gradients are bitwise
+reproducible whatever ``deterministic`` says. Dropout masks come from a counter-based RNG whose seed is
+drawn on the device from PyTorch's generator and saved for the backward.
+
+Not supported (``NotImplementedError``): ``alibi_slopes``, ``block_table`` (paged KV).
+"""
+
+import math
+
+import torch
+
+from . import _checks
+from ._build_info import BACKEND
+from ._launch_config import pick
+from ._ops import add_op_namespace_prefix
+
+if BACKEND == "cuda":
+    from ._kernels import flash_attn as _triton_flash_attn
+else:
+    _triton_flash_attn = None
+
+_CONFIG_FAMILY = "flash_attn"
+_DTYPES = (torch.float16, torch.bfloat16)
+# Stands for an unlimited window side: larger than any sequence, small enough that i + shift + bound fits int32.
+_UNLIMITED = 1 << 30
+MAX_HEAD_DIM = 256
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return _triton_flash_attn is not None and (t.is_cuda or (t.device.type == "cpu" and _checks.interpreting()))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation.
+# ----------------------------------------------------------------------------------------------------------
+
+def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, window_left, window_right, s_aux):
+    varlen = cu_seqlens_q is not None
+    ndim = 3 if varlen else 4
+    layout = "(total, heads, head_dim)" if varlen else "(batch, seq, heads, head_dim)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _checks.check_tensor(name, t, dtypes=_DTYPES)
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-dimensional {layout}, got shape {tuple(t.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _checks.check_same_device("q", q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, s_aux=s_aux)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    head_dim, n_heads, n_kv_heads = q.shape[-1], q.shape[-2], k.shape[-2]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k and v must have q's head_dim {head_dim}, got {k.shape[-1]}")
+    if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {head_dim}")
+    if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
+        raise ValueError(f"the number of q heads ({n_heads}) must be a multiple of the k/v heads ({n_kv_heads})")
+    if varlen:
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
+                raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets, got "
+                                 f"{cu.dtype if isinstance(cu, torch.Tensor) else type(cu).__name__}"
+                                 f"{tuple(cu.shape) if isinstance(cu, torch.Tensor) else ''}")
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                             f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    elif k.shape[0] != q.shape[0]:
+        raise ValueError(f"k and v must have q's batch size {q.shape[0]}, got {k.shape[0]}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if not (math.isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+    if window_left < -1 or window_right < -1:
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unlimited, got ({window_left}, {window_right})")
+    if s_aux is not None:
+        _checks.check_tensor("s_aux", s_aux, ndim=1)
+        if s_aux.shape[0] != n_heads:
+            raise ValueError(f"s_aux must have one logit per q head ({n_heads},), got {tuple(s_aux.shape)}")
+
+
+def _window(causal: bool, window_left: int, window_right: int) -> tuple[int, int]:
+    """(left, right) bounds for the kernels: -1 becomes unlimited and causal caps the right side at 0."""
+    left = _UNLIMITED if window_left < 0 else window_left
+    right = _UNLIMITED if window_right < 0 else window_right
+    return left, 0 if causal else right
+
+
+def _max_seqlen(value, name: str) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point():
+            raise ValueError(f"{name} must be an int or a 0-d integer tensor, got {value.dtype}{tuple(value.shape)}")
+        return int(value.item())  # the launch grid depends on it (documented host sync)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def _lse_shape(q, cu_seqlens_q):
+    if cu_seqlens_q is not None:
+        return (q.shape[1], q.shape[0])
+    return (q.shape[0], q.shape[2], q.shape[1])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Portable PyTorch implementation (torch-cpu variant; CPU tensors without the Triton interpreter).
+# ----------------------------------------------------------------------------------------------------------
+
+def _torch_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    """(q rows, k rows, v rows) per sequence, each (seq, heads, dim)."""
+    if cu_seqlens_q is None:
+        return [(q[b], k[b], v[b]) for b in range(q.shape[0])]
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]) for b in range(len(cq) - 1)]
+
+
+def _torch_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, scale, window, softcap, s_aux, seed):
+    """(out, lse) in float32 math, differentiable in q, k, v and s_aux (the backward recomputes through it)."""
+    generator = torch.Generator(device="cpu").manual_seed(int(seed.item())) if dropout_p > 0 else None
+    group = q.shape[-2] // k.shape[-2]
+    outs, lses = [], []
+    for qs, ks, vs in _torch_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        ks, vs = ks.repeat_interleave(group, dim=1).float(), vs.repeat_interleave(group, dim=1).float()
+        scores = torch.einsum("qhd,khd->hqk", qs.float(), ks) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        rows = torch.arange(qs.shape[0], device=q.device)[:, None] + (ks.shape[0] - qs.shape[0])
+        cols = torch.arange(ks.shape[0], device=q.device)[None, :]
+        visible = (cols >= rows - window[0]) & (cols <= rows + window[1])
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if s_aux is not None:
+            sink = s_aux.float()[:, None, None].expand(-1, qs.shape[0], 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        row_lse = torch.logsumexp(scores, dim=-1)
+        seen = torch.isfinite(row_lse)
+        probs = torch.where(seen[..., None], torch.exp(scores - row_lse[..., None]), 0.0)
+        if s_aux is not None:
+            probs = probs[..., :-1]
+        if generator is not None:
+            keep = torch.rand(probs.shape, generator=generator) >= dropout_p
+            probs = probs * keep.to(probs.device) / (1.0 - dropout_p)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, vs))
+        lses.append(torch.where(seen, row_lse, float("inf")))
+    if cu_seqlens_q is None:
+        if not outs:
+            return torch.zeros(q.shape, device=q.device), torch.zeros(_lse_shape(q, None), device=q.device)
+        return torch.stack(outs), torch.stack(lses)
+    tail = q.shape[0] - int(cu_seqlens_q[-1])
+    out = torch.cat(outs + [torch.zeros((tail, *q.shape[1:]), device=q.device)], dim=0)
+    lse = torch.cat([x.transpose(0, 1) for x in lses] + [torch.full((tail, q.shape[1]), float("inf"))], dim=0)
+    return out, lse.transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Forward and backward implementations.
+# ----------------------------------------------------------------------------------------------------------
+
+def _as_4d(t, varlen):
+    return t.unsqueeze(0) if varlen else t
+
+
+def _contiguous_last_dim(t):
+    # FlashAttention-2 copies tensors whose head dimension is strided; so do we, to stay a drop-in.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                  window_left, window_right, softcap, s_aux):
+    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, window_left, window_right, s_aux)
+    q, k, v = (_contiguous_last_dim(t) for t in (q, k, v))
+    window = _window(causal, window_left, window_right)
+    seed = (torch.randint(-(2**62), 2**62, (1,), device=q.device, dtype=torch.int64) if dropout_p > 0
+            else torch.zeros(1, device=q.device, dtype=torch.int64))
+    if not _use_triton(q):
+        out, lse = _torch_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, window, softcap, s_aux,
+                                    seed)
+        return out.to(q.dtype), lse, seed
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        # Rows beyond cu_seqlens_q[-1] belong to no sequence: they get 0 and lse +inf, not garbage.
+        out = torch.zeros(q.shape, device=q.device, dtype=q.dtype)
+        lse = torch.full(_lse_shape(q, cu_seqlens_q), float("inf"), device=q.device)
+    else:
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        lse = torch.empty(_lse_shape(q, cu_seqlens_q), device=q.device, dtype=torch.float32)
+    if q.numel() == 0:
+        return out, lse, seed
+    n_batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    seqlen_q = max_seqlen_q if varlen else q.shape[1]
+    seqlen_k = max_seqlen_k if varlen else k.shape[1]
+    config = pick(_CONFIG_FAMILY, "forward", q.device, q.shape[-1])
+    _triton_flash_attn.flash_attn_forward(
+        _as_4d(q, varlen), _as_4d(k, varlen), _as_4d(v, varlen), _as_4d(out, varlen), lse, s_aux, seed,
+        cu_seqlens_q, cu_seqlens_k, n_batch, seqlen_q, seqlen_k, float(softmax_scale), float(softcap), window,
+        float(dropout_p), block_m=config["block_m"], block_n=config["block_n"], num_warps=config["num_warps"])
+    return out, lse, seed
+
+
+def _backward_impl(dout, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   dropout_p, softmax_scale, causal, window_left, window_right, softcap, s_aux):
+    """(dq, dk, dv, d s_aux or None)."""
+    window = _window(causal, window_left, window_right)
+    dout = _contiguous_last_dim(dout)
+    if not _use_triton(q):
+        return _torch_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, window, softcap, s_aux,
+                               seed)
+    varlen = cu_seqlens_q is not None
+    # Varlen rows beyond cu_seqlens[-1] get zero gradients, not uninitialised memory.
+    new = torch.zeros if varlen else torch.empty
+    dq, dk, dv = (new(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+    dsink_rows = torch.zeros(lse.shape, device=q.device, dtype=torch.float32) if s_aux is not None else None
+    if q.numel() > 0 and k.numel() > 0:
+        n_batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+        seqlen_q = max_seqlen_q if varlen else q.shape[1]
+        seqlen_k = max_seqlen_k if varlen else k.shape[1]
+        config = pick(_CONFIG_FAMILY, "backward", q.device, q.shape[-1])
+        delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)
+        _triton_flash_attn.flash_attn_backward(
+            _as_4d(dout, varlen), _as_4d(q, varlen), _as_4d(k, varlen), _as_4d(v, varlen), _as_4d(out, varlen), lse,
+            s_aux, seed, _as_4d(dq, varlen), _as_4d(dk, varlen), _as_4d(dv, varlen), delta, dsink_rows,
+            cu_seqlens_q, cu_seqlens_k, n_batch, seqlen_q, seqlen_k, float(softmax_scale), float(softcap), window,
+            float(dropout_p), block_m=config["block_m"], block_n=config["block_n"], num_warps=config["num_warps"])
+    elif not varlen:
+        dq.zero_(), dk.zero_(), dv.zero_()
+    dsink = None
+    if s_aux is not None:
+        dsink = dsink_rows.sum(dim=-1) if varlen else dsink_rows.sum(dim=(0, 2))
+        dsink = dsink.to(s_aux.dtype)
+    return dq, dk, dv, dsink
+
+
+def _torch_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, scale, window, softcap, s_aux, seed):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    sink = s_aux.detach().float().requires_grad_() if s_aux is not None else None
+    with torch.enable_grad():
+        out, _ = _torch_attention(*leaves, cu_seqlens_q, cu_seqlens_k, dropout_p, scale, window, softcap, sink, seed)
+        inputs = leaves + ([sink] if sink is not None else [])
+        grads = torch.autograd.grad(out, inputs, dout.float(), allow_unused=True)
+    dq, dk, dv = (torch.zeros_like(t) if g is None else g.to(t.dtype) for g, t in zip(grads[:3], (q, k, v)))
+    dsink = grads[3].to(s_aux.dtype) if s_aux is not None else None
+    return dq, dk, dv, dsink
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ops (what torch.compile, export and opcheck see).
+# ----------------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(add_op_namespace_prefix("flash_attn_forward"), mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+                cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+                s_aux: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, softmax_lse, rng seed)."""
+    return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                         softmax_scale, causal, window_left, window_right, softcap, s_aux)
+
+
+@_forward_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+      window_left, window_right, softcap, s_aux):
+    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, window_left, window_right, s_aux)
+    return (q.new_empty(q.shape), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32),
+            q.new_empty(1, dtype=torch.int64))
+
+
+@torch.library.custom_op(add_op_namespace_prefix("flash_attn_backward"), mutates_args=())
+def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 softmax_lse: torch.Tensor, seed: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+                 cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                 softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+                 s_aux: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, d s_aux); d s_aux is an empty tensor without a sink."""
+    dq, dk, dv, dsink = _backward_impl(dout, q, k, v, out, softmax_lse, seed, cu_seqlens_q, cu_seqlens_k,
+                                       max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                                       window_right, softcap, s_aux)
+    return dq, dk, dv, dsink if dsink is not None else q.new_empty(0)
+
+
+@_backward_op.register_fake
+def _(dout, q, k, v, out, softmax_lse, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+      softmax_scale, causal, window_left, window_right, softcap, s_aux):
+    dsink = s_aux.new_empty(s_aux.shape) if s_aux is not None else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
+
+
+_NON_TENSOR_INPUTS = ("max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_left",
+                      "window_right", "softcap")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, s_aux = inputs
+    out, lse, seed = output
+    ctx.save_for_backward(q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, s_aux)
+    ctx.options = dict(zip(_NON_TENSOR_INPUTS, options))
+
+
+def _op_backward(ctx, dout, _dlse, _dseed):
+    q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, s_aux = ctx.saved_tensors
+    dq, dk, dv, dsink = _backward_op(dout, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, **ctx.options,
+                                     s_aux=s_aux)
+    return (dq, dk, dv, None, None) + (None,) * len(_NON_TENSOR_INPUTS) + (dsink if s_aux is not None else None,)
+
+
+_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class _EagerFlashAttn(torch.autograd.Function):
+    """The eager path: the ops' forward and backward without the custom_op dispatcher's host overhead
+    (see ``rms_norm._EagerRMSNorm``); under torch.compile the public functions call the ops instead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, s_aux, options):
+        out, lse, seed = _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, **options, s_aux=s_aux)
+        ctx.save_for_backward(q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, s_aux)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse, seed)
+        return out, lse, seed
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dseed):
+        q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, s_aux = ctx.saved_tensors
+        dq, dk, dv, dsink = _backward_impl(dout, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, **ctx.options,
+                                           s_aux=s_aux)
+        return dq, dk, dv, None, None, dsink, None
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+               window_size, softcap, alibi_slopes, return_attn_probs, s_aux, block_table=None):
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes is not supported by fused_kernels' flash attention")
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV cache) is not supported by fused_kernels' flash attention")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=float(dropout_p),
+                   softmax_scale=float(softmax_scale), causal=bool(causal), window_left=int(window_size[0]),
+                   window_right=int(window_size[1]), softcap=float(softcap))
+    if torch.compiler.is_compiling():
+        out, lse, seed = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, **options, s_aux=s_aux)
+    else:
+        out, lse, seed = _EagerFlashAttn.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, s_aux, options)
+    if not return_attn_probs:
+        return out
+    return out, lse, _dropout_mask(q, k, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
+
+
+def _dropout_mask(q, k, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p):
+    """The dropout keep mask ``(batch, heads, seq_q, seq_k)`` (bool) the call used, or None without dropout.
+
+    FlashAttention-2 returns ``S_dmask`` here "for testing only"; this is the mask such tests reconstruct."""
+    if dropout_p <= 0 or not _use_triton(q):
+        return None
+    varlen = cu_seqlens_q is not None
+    n_batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    mask = torch.empty((n_batch, q.shape[-2], max_seqlen_q, max_seqlen_k), device=q.device, dtype=torch.bool)
+    _triton_flash_attn.dropout_keep_mask(mask, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         float(dropout_p))
+    return mask
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public API (FlashAttention-2 signatures).
+# ----------------------------------------------------------------------------------------------------------
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, s_aux=None):
+    """Attention over ``q (batch, seq_q, heads, head_dim)``, ``k, v (batch, seq_k, kv_heads, head_dim)``.
+
+    Returns ``out (batch, seq_q, heads, head_dim)``, or ``(out, softmax_lse (batch, heads, seq_q) fp32,
+    dropout keep mask or None)`` with ``return_attn_probs``. ``deterministic`` is accepted for compatibility:
+    the backward is always deterministic. ``s_aux``: optional ``(heads,)`` attention-sink logits.
+    """
+    del deterministic
+    return _attention(q, k, v, None, None, q.shape[1] if q.dim() == 4 else 0, k.shape[1] if k.dim() == 4 else 0,
+                      dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, s_aux)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, s_aux=None):
+    """Attention over packed sequences: ``q (total_q, heads, head_dim)``, ``k, v (total_k, kv_heads, head_dim)``,
+    sequence b being rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32 offsets). ``max_seqlen_*``: ints, or 0-d
+    tensors (read on the host). Returns ``out``, or ``(out, softmax_lse (heads, total_q), mask or None)``."""
+    del deterministic
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k are required by flash_attn_varlen_func")
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, _max_seqlen(max_seqlen_q, "max_seqlen_q"),
+                      _max_seqlen(max_seqlen_k, "max_seqlen_k"), dropout_p, softmax_scale, causal, window_size,
+                      softcap, alibi_slopes, return_attn_probs, s_aux, block_table)
+
+
+def _unpack(packed, index, name, count):
+    if packed.dim() < 3 or packed.shape[-3] != count:
+        raise ValueError(f"{name} must have {count} at dimension -3 (..., {count}, heads, head_dim), got shape "
+                         f"{tuple(packed.shape)}")
+    return packed.select(-3, index)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` on ``qkv (batch, seq, 3, heads, head_dim)``; the gradient flows back into qkv."""
+    q, k, v = (_unpack(qkv, i, "qkv", 3) for i in range(3))
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` with ``kv (batch, seq_k, 2, kv_heads, head_dim)``."""
+    k, v = (_unpack(kv, i, "kv", 2) for i in range(2))
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """``flash_attn_varlen_func`` on ``qkv (total, 3, heads, head_dim)``."""
+    q, k, v = (_unpack(qkv, i, "qkv", 3) for i in range(3))
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_varlen_func`` with ``kv (total_k, 2, kv_heads, head_dim)``."""
+    k, v = (_unpack(kv, i, "kv", 2) for i in range(2))
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

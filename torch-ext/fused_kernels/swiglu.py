@@ -1,0 +1,290 @@
+"""Gated activations of LLM MLPs (SwiGLU, GeGLU): torch ops, autograd, fake kernels and the functional API.
+
+``act(gate) * up`` for ``act`` in SiLU, exact GELU and tanh-approximated GELU, from two tensors
+(``swiglu``, ``geglu``) or from one fused ``gate_up`` tensor whose last dimension holds ``[gate | up]``
+(``silu_and_mul``, ``gelu_and_mul``; the output of a fused ``gate_up_proj``), read in place through its two
+halves. Math runs in fp32; outputs and gradients are in the input dtype, rounded once. The backward recomputes
+the activation from ``gate``: only the inputs are kept for it. The fused form's gradient is one
+``(..., 2 * I)`` tensor written directly by the kernel.
+
+Inputs and incoming gradients are never written. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``)
+run the Triton kernels; otherwise a plain PyTorch implementation with the same numerics runs, which is what
+the ``torch-cpu`` variant uses.
+"""
+
+import math
+
+import torch
+
+from . import _checks
+from ._build_info import BACKEND
+from ._launch_config import pick
+from ._layout import shared_row_layouts
+from ._ops import add_op_namespace_prefix
+
+if BACKEND == "cuda":
+    from ._kernels import swiglu as _triton_swiglu
+else:
+    _triton_swiglu = None
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}  # geglu's `approximate`, as in F.gelu
+_CONFIG_FAMILY = "swiglu"
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return _triton_swiglu is not None and (t.is_cuda or (t.device.type == "cpu" and _checks.interpreting()))
+
+
+def _validate(gate, up, activation):
+    """``up`` None: ``gate`` is the fused ``gate_up`` tensor."""
+    _checks.check_choice("activation", activation, ACTIVATIONS)
+    if up is None:
+        _checks.check_tensor("gate_up", gate, min_ndim=1)
+        if gate.shape[-1] % 2:
+            raise ValueError(f"gate_up must have an even last dimension holding the gate and up halves, got shape "
+                             f"{tuple(gate.shape)}")
+        return
+    _checks.check_tensor("gate", gate, min_ndim=1)
+    _checks.check_tensor("up", up)
+    _checks.check_same_shape("gate", gate, up=up)
+    if up.dtype != gate.dtype:
+        raise TypeError(f"up must have the dtype of gate ({gate.dtype}), got {up.dtype}")
+    _checks.check_same_device("gate", gate, up=up)
+
+
+def _halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up views of a fused tensor (no copy)."""
+    width = gate_up.shape[-1] // 2
+    return gate_up[..., :width], gate_up[..., width:]
+
+
+def _approximation(approximate: str) -> str:
+    _checks.check_choice("approximate", approximate, tuple(APPROXIMATIONS))
+    return APPROXIMATIONS[approximate]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Portable PyTorch implementation (torch-cpu variant; CPU tensors without the Triton interpreter), with the
+# kernels' formulas (kernels_src/swiglu.py explains them).
+# ----------------------------------------------------------------------------------------------------------
+
+_TANH_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
+_TANH_CUBIC = 0.044715
+
+
+def _torch_activation(g: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """act(g) and act'(g) for fp32 g."""
+    if activation == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(g * math.sqrt(0.5)))
+        return g * cdf, cdf + g * torch.exp(-0.5 * g * g) / math.sqrt(2.0 * math.pi)
+    if activation == "silu":
+        s = torch.sigmoid(g)
+        act = g * s
+        return act, s + act * (1.0 - s)
+    s = torch.sigmoid(_TANH_SCALE * (g + _TANH_CUBIC * g.pow(3)))
+    act = g * s
+    return act, s + act * (1.0 - s) * (_TANH_SCALE * (1.0 + 3.0 * _TANH_CUBIC * g * g))
+
+
+def _torch_forward(gate, up, activation):
+    return (_torch_activation(gate.float(), activation)[0] * up.float()).to(gate.dtype)
+
+
+def _torch_backward(dout, gate, up, activation):
+    dy = dout.float()
+    act, d_act = _torch_activation(gate.float(), activation)
+    return (dy * up.float() * d_act).to(gate.dtype), (dy * act).to(gate.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton launches.
+# ----------------------------------------------------------------------------------------------------------
+
+def _triton_forward(gate, up, activation):
+    n_cols = gate.shape[-1]
+    out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    if out.numel() == 0:
+        return out
+    (gate, up), (gate_layout, up_layout) = shared_row_layouts(gate, up)
+    config = pick(_CONFIG_FAMILY, "forward", out.device, n_cols)
+    _triton_swiglu.gated_forward(gate, gate_layout, up, up_layout, out, n_cols, out.numel() // n_cols, n_cols,
+                                 activation, **config)
+    return out
+
+
+def _triton_backward(dout, gate, up, d_gate, d_up, d_stride_row, activation):
+    n_cols = gate.shape[-1]
+    if d_gate.numel() == 0:
+        return
+    (dout, gate, up), layouts = shared_row_layouts(dout, gate, up)
+    config = pick(_CONFIG_FAMILY, "backward", gate.device, n_cols)
+    _triton_swiglu.gated_backward(dout, layouts[0], gate, layouts[1], up, layouts[2], d_gate, d_up, d_stride_row,
+                                  d_gate.numel() // n_cols, n_cols, activation, **config)
+
+
+def _forward(gate, up, activation):
+    """act(gate) * up; ``up`` None: ``gate`` is the fused ``gate_up`` tensor."""
+    _validate(gate, up, activation)
+    if up is None:
+        gate, up = _halves(gate)
+    if _use_triton(gate):
+        return _triton_forward(gate, up, activation)
+    return _torch_forward(gate, up, activation)
+
+
+def _backward(dout, gate, up, activation):
+    """(d_gate, d_up), two new tensors of gate's shape."""
+    if _use_triton(gate):
+        d_gate = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+        d_up = torch.empty_like(d_gate)
+        _triton_backward(dout, gate, up, d_gate, d_up, gate.shape[-1], activation)
+        return d_gate, d_up
+    return _torch_backward(dout, gate, up, activation)
+
+
+def _backward_fused(dout, gate_up, activation):
+    """The gradient of the fused input: one (..., 2I) tensor, its halves written by the kernel in place."""
+    gate, up = _halves(gate_up)
+    if _use_triton(gate_up):
+        d_gate_up = torch.empty(gate_up.shape, device=gate_up.device, dtype=gate_up.dtype)
+        d_gate, d_up = _halves(d_gate_up)
+        _triton_backward(dout, gate, up, d_gate, d_up, gate_up.shape[-1], activation)
+        return d_gate_up
+    return torch.cat(_torch_backward(dout, gate, up, activation), dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ops (what torch.compile, export and opcheck see).
+# ----------------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(add_op_namespace_prefix("gated_activation"), mutates_args=())
+def _gated_activation_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    return _forward(gate, up, activation)
+
+
+@_gated_activation_op.register_fake
+def _(gate, up, activation):
+    _validate(gate, up, activation)
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("gated_activation_fused"), mutates_args=())
+def _gated_activation_fused_op(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    return _forward(gate_up, None, activation)
+
+
+@_gated_activation_fused_op.register_fake
+def _(gate_up, activation):
+    _validate(gate_up, None, activation)
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op(add_op_namespace_prefix("gated_activation_backward"), mutates_args=())
+def _gated_activation_backward_op(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                                  activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward(dout, gate, up, activation)
+
+
+@_gated_activation_backward_op.register_fake
+def _(dout, gate, up, activation):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("gated_activation_fused_backward"), mutates_args=())
+def _gated_activation_fused_backward_op(dout: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    return _backward_fused(dout, gate_up, activation)
+
+
+@_gated_activation_fused_backward_op.register_fake
+def _(dout, gate_up, activation):
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, activation = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.activation = activation
+
+
+def _op_backward(ctx, dout):
+    gate, up = ctx.saved_tensors
+    d_gate, d_up = _gated_activation_backward_op(dout, gate, up, ctx.activation)
+    return d_gate, d_up, None
+
+
+def _fused_op_backward(ctx, dout):
+    (gate_up,) = ctx.saved_tensors
+    return _gated_activation_fused_backward_op(dout, gate_up, ctx.activation), None
+
+
+_gated_activation_op.register_autograd(_op_backward, setup_context=_setup_context)
+_gated_activation_fused_op.register_autograd(_fused_op_backward, setup_context=_setup_context)
+
+
+class _EagerGatedActivation(torch.autograd.Function):
+    """The eager path: the same forward and backward as the ops, without the dispatcher round trips (a
+    ``custom_op`` call from eager Python costs tens of microseconds; see ``rms_norm._EagerRMSNorm``). ``up``
+    None: ``gate`` is the fused ``gate_up`` tensor."""
+
+    @staticmethod
+    def forward(ctx, gate, up, activation):
+        out = _forward(gate, up, activation)
+        ctx.save_for_backward(gate, up)
+        ctx.activation = activation
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        if up is None:
+            return _backward_fused(dout, gate, ctx.activation), None, None
+        d_gate, d_up = _backward(dout, gate, up, ctx.activation)
+        return d_gate, d_up, None
+
+
+def _gated(gate, up, activation):
+    if torch.compiler.is_compiling():
+        if up is None:
+            return _gated_activation_fused_op(gate, activation)
+        return _gated_activation_op(gate, up, activation)
+    return _EagerGatedActivation.apply(gate, up, activation)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public API.
+# ----------------------------------------------------------------------------------------------------------
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``: the SwiGLU of Llama, Qwen and Mistral MLPs (``act_fn(gate_proj(x)) * up_proj(x)``).
+
+    Args:
+        gate, up: ``(..., I)`` float32/float16/bfloat16 tensors of one shape, dtype and device; any strides.
+
+    Returns a new ``(..., I)`` tensor in the input dtype. Differentiable in ``gate`` and ``up``.
+    """
+    return _gated(gate, up, "silu")
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``gelu(gate, approximate) * up``: GeGLU. ``approximate="tanh"`` is the tanh approximation of Gemma's
+    ``gelu_pytorch_tanh``; ``"none"`` the exact erf GELU (``F.gelu``'s convention).
+
+    Args and result as in ``swiglu``.
+    """
+    return _gated(gate, up, _approximation(approximate))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[..., :I]) * gate_up[..., I:]`` for a ``(..., 2I)`` tensor, e.g. the output of a fused
+    ``gate_up_proj``; the halves are read in place (no split, no copy).
+
+    Returns a new ``(..., I)`` tensor in the input dtype. Differentiable; the gradient is one ``(..., 2I)``
+    tensor.
+    """
+    return _gated(gate_up, None, "silu")
+
+
+def gelu_and_mul(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``gelu(gate_up[..., :I], approximate) * gate_up[..., I:]``: the fused-input form of ``geglu``."""
+    return _gated(gate_up, None, _approximation(approximate))
