@@ -71,6 +71,10 @@ class OpBenchmark:
     reference: Provider
     output_names: tuple[str, ...]
     bytes_moved: Callable[[Case, str], int]
+    # Multiply-add work per mode (2 FLOPs each), for compute-bound ops: rows then also report TFLOP/s.
+    flops: Callable[[Case, str], int] | None = None
+    # Losses: differentiate with gradient 1 (`loss.backward()`, what a training step does) instead of random.
+    unit_grad_outputs: bool = False
 
 
 @dataclass
@@ -99,6 +103,7 @@ class Row:
     ratio_vs_best_peer: float | None = None  # ms / fastest peer's ms: below 1 is faster than every peer
     floor_ms: float | None = None
     rel_err: dict[str, float | None] | None = None  # None where the output held NaN or inf
+    tflops: float | None = None
     note: str = ""
 
 
@@ -224,8 +229,9 @@ def _reference_and_grad_outputs(bench: OpBenchmark, case: Case, input_sets: list
         for name, tensor in input_sets[0].items()
     }
     outputs = _as_tuple(bench.reference(**float_inputs))
+    draw = torch.ones if bench.unit_grad_outputs else torch.randn
     grad_sets = [
-        tuple(torch.randn(output.shape, dtype=case.dtype, device=output.device) for output in outputs)
+        tuple(draw(output.shape, dtype=case.dtype, device=output.device) for output in outputs)
         for _ in input_sets
     ]
     torch.autograd.backward(outputs, [grad.float() for grad in grad_sets[0]])
@@ -296,6 +302,8 @@ def _measure(bench, case, mode, name, provider, input_sets, grad_sets, reference
         rotation = itertools.cycle(calls)
         row.ms = median_ms(lambda: next(rotation)(), env.on_gpu, grad_to_none=leaves)
         row.gbps = nbytes / row.ms / 1e6
+        if bench.flops is not None:
+            row.tflops = bench.flops(case, mode) / row.ms / 1e9
         if mode == "fwd+bwd" and env.on_gpu:
             for leaf in leaves:
                 leaf.grad = None
@@ -338,9 +346,10 @@ def _progress_line(row: Row, case: Case) -> str:
         return f"{where} {row.status}: {row.note}"
     worst = max(row.rel_err.values(), default=0.0)
     peak = "" if row.peak_mib is None else f"  peak {row.peak_mib:9.1f} MiB"
+    tflops = "" if row.tflops is None else f"  {row.tflops:6.1f} TFLOP/s"
     return (
         f"{where} {row.ms:9.4f} ms  {row.gbps:7.0f} GB/s  {100 * row.floor_ms / row.ms:5.1f}% of floor"
-        f"{peak}  max rel err {worst:.1e}"
+        f"{tflops}{peak}  max rel err {worst:.1e}"
     )
 
 
@@ -410,7 +419,9 @@ def _time_table(rows: list[Row]) -> list[str]:
     providers = list(dict.fromkeys(row.provider for row in rows))
     peers = [name for name in providers if name != OURS]
     dims = list(rows[0].shape)
+    with_tflops = any(row.tflops is not None for row in rows)
     columns = dims + ["floor", OURS] + peers + ["ours ÷ best peer", "ours % of floor", "ours GB/s"]
+    columns += ["ours TFLOP/s"] if with_tflops else []
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for shape, by_provider in _by_shape(rows).items():
         ours = by_provider.get(OURS)
@@ -426,6 +437,8 @@ def _time_table(rows: list[Row]) -> list[str]:
         cells.append(_cell(ours, lambda r: "—" if r.ratio_vs_best_peer is None else f"{r.ratio_vs_best_peer:.2f}"))
         cells.append(_cell(ours, lambda r: f"{100 * r.floor_ms / r.ms:.0f}%"))
         cells.append(_cell(ours, lambda r: f"{r.gbps:.0f}"))
+        if with_tflops:
+            cells.append(_cell(ours, lambda r: f"{r.tflops:.0f}"))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

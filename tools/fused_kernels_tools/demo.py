@@ -309,6 +309,53 @@ def _check_rope(fk, device, dtype_name, cached) -> list[tuple[str, float]]:
     return rows
 
 
+def _ref_cross_entropy(x, target, ignore_index=-100):
+    """float64 reference: mean over non-ignored tokens of logsumexp(x) - x[target]."""
+    import torch
+
+    counted = target != ignore_index
+    y = torch.where(counted, target, 0)
+    per_token = torch.logsumexp(x, -1) - x.gather(-1, y[..., None])[..., 0]
+    return torch.where(counted, per_token, 0.0).sum() / counted.sum()
+
+
+def check_cross_entropy(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """cross_entropy (mean, one ignored token): loss and dlogits."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    (x,) = _inputs(dtype, device, 300, (6, 300))
+    target = torch.arange(6, device=device) * 37
+    target[2] = -100
+    x.requires_grad_(True)
+    loss = fk.cross_entropy(x, target)
+    loss.backward()
+    x64 = x.detach().double().requires_grad_(True)
+    ref = _ref_cross_entropy(x64, target)
+    ref.backward()
+    return [("loss", _rel_err(loss, ref.detach())), ("dlogits", _rel_err(x.grad, x64.grad))]
+
+
+def check_fused_linear_cross_entropy(fk, device, dtype_name) -> list[tuple[str, float]]:
+    """fused_linear_cross_entropy (mean, two chunks, one ignored token): loss, dhidden, dweight."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    hidden, weight = _inputs(dtype, device, 400, (6, 32), (300, 32))
+    weight = (weight * 0.2).detach()
+    target = torch.arange(6, device=device) * 41
+    target[3] = -100
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    loss = fk.fused_linear_cross_entropy(hidden, weight, target, chunk_tokens=4)
+    loss.backward()
+    h64, w64 = (t.detach().double().requires_grad_(True) for t in (hidden, weight))
+    ref = _ref_cross_entropy(h64 @ w64.T, target)
+    ref.backward()
+    return [("loss", _rel_err(loss, ref.detach())), ("dhidden", _rel_err(hidden.grad, h64.grad)),
+            ("dweight", _rel_err(weight.grad, w64.grad))]
+
+
 # Every exported function needs an entry here: the demo fails on an exported function without one.
 def _ref_attention(q, k, v, causal):
     """float64 reference for (batch, seq, heads, dim) tensors: softmax(q k^T / sqrt(d)) v, GQA by repetition,
@@ -397,6 +444,8 @@ CHECKS = {
     "gelu_and_mul": check_gelu_and_mul,
     "apply_rotary_pos_emb": lambda fk, device, dtype_name: _check_rope(fk, device, dtype_name, cached=False),
     "apply_rotary_pos_emb_cached": lambda fk, device, dtype_name: _check_rope(fk, device, dtype_name, cached=True),
+    "cross_entropy": check_cross_entropy,
+    "fused_linear_cross_entropy": check_fused_linear_cross_entropy,
 }
 
 

@@ -44,4 +44,10 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb",
         "transformers.models.mistral.modeling_mistral.apply_rotary_pos_emb",
     ),
+    "FusedLinearCrossEntropyForCausalLM": (
+        "transformers.models.llama.modeling_llama.LlamaForCausalLM",
+        "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM",
+        "transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM",
+        "transformers.models.mistral.modeling_mistral.MistralForCausalLM",
+    ),
 }

@@ -16,6 +16,8 @@ from ._flash_attn import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from .cross_entropy import cross_entropy
+from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .rms_norm import fused_add_rms_norm, rms_norm
 from .swiglu import geglu, gelu_and_mul, silu_and_mul, swiglu
 
@@ -24,4 +26,4 @@ __version__ = str(VERSION)
 __all__ = ["layers", "rms_norm", "fused_add_rms_norm", "apply_rotary_pos_emb", "apply_rotary_pos_emb_cached",
            "swiglu", "geglu", "silu_and_mul", "gelu_and_mul", "flash_attn_func", "flash_attn_varlen_func",
            "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
-           "flash_attn_varlen_kvpacked_func", "BACKEND", "VARIANT"]
+           "flash_attn_varlen_kvpacked_func", "cross_entropy", "fused_linear_cross_entropy", "BACKEND", "VARIANT"]

@@ -4,10 +4,13 @@ A Hub layer has no constructor and no members of its own: its ``forward`` is bou
 replaces, so it reads that module's state (declared below as bare annotations for documentation).
 """
 
+import sys
+
 import torch
 from torch import nn
 
 from ._rope import apply_rotary_pos_emb
+from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .rms_norm import rms_norm
 from .swiglu import geglu, gelu_and_mul, silu_and_mul, swiglu
 
@@ -112,3 +115,66 @@ class ApplyRotaryPosEmb(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+def _causal_lm_output_type(model: nn.Module) -> type:
+    """transformers' ``CausalLMOutputWithPast``, taken from the module of the model's class (or of a base class,
+    for subclasses): the package itself imports only torch."""
+    for cls in type(model).__mro__:
+        output_type = getattr(sys.modules.get(cls.__module__), "CausalLMOutputWithPast", None)
+        if output_type is not None:
+            return output_type
+    raise TypeError(f"{type(model).__name__} is not a transformers causal LM (no CausalLMOutputWithPast in the "
+                    "modules of its classes)")
+
+
+class FusedLinearCrossEntropyForCausalLM(nn.Module):
+    """Replaces the forward of a transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+    ``Qwen3ForCausalLM``, ``MistralForCausalLM``): in training with ``labels``, the loss comes from
+    ``fused_linear_cross_entropy`` over the decoder's final hidden states and ``lm_head``'s weight, so the
+    ``(tokens, vocab)`` logits are never built (the output's ``logits`` is None). Otherwise (eval, generation,
+    no labels) it computes exactly what the stock forward does.
+
+    transformers registers no layer name for this forward: attach one with
+    ``kernels.replace_kernel_forward_from_hub(LlamaForCausalLM, "FusedLinearCrossEntropyForCausalLM")``
+    and kernelize (README). The loss follows transformers' ``ForCausalLMLoss``: labels shifted by one (or
+    ``shift_labels``), ``ignore_index`` -100, the sum divided by ``num_items_in_batch`` when given, else the mean;
+    ``config.final_logit_softcapping`` is applied when the config has it. The weight is read through
+    ``self.lm_head`` inside the model's own forward, so hooks that gather parameters for the model's forward
+    (FSDP on the whole model) have run.
+    """
+
+    model: nn.Module
+    lm_head: nn.Linear
+    config: object
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             **kwargs)
+        hidden_states = outputs.last_hidden_state
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        loss = logits = None
+        if self.training and labels is not None:
+            shift_labels = kwargs.get("shift_labels")
+            if shift_labels is None:
+                shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+            num_items = kwargs.get("num_items_in_batch")
+            loss = fused_linear_cross_entropy(hidden_states, self.lm_head.weight, shift_labels.to(hidden_states.device),
+                                              self.lm_head.bias, reduction="mean" if num_items is None else "sum",
+                                              softcap=softcap)
+            if num_items is not None:
+                loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        else:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(hidden_states[:, keep, :])
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return _causal_lm_output_type(self)(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                           hidden_states=outputs.hidden_states, attentions=outputs.attentions)

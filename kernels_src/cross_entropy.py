@@ -1,0 +1,243 @@
+"""Cross-entropy over rows of logits: loss, log-sum-exp and the logits gradient, in fp32 whatever the input dtype.
+
+Per row (token) with target ``y``, raw logits ``z_c`` (``c < V``), class weights ``w`` (all 1 without weights,
+``W = sum_c w_c``), label smoothing ``eps``, z-loss scale ``s`` and optional soft-capping
+``x_c = cap * tanh(z_c / cap)`` (``x = z`` without it):
+
+  lse   = log sum_c exp(x_c)
+  ce    = (1 - eps) * w_y * (lse - x_y) + (eps / V) * (W * lse - sum_c w_c * x_c)
+  loss  = r * (ce + s * lse**2)       r = 1 / D under reduction "mean" (D = sum of w_y over counted rows), else 1
+  dloss/dz_c = r * g * ((1 - eps) * w_y * (p_c - [c == y]) + (eps * W / V + 2 * s * lse) * p_c - eps * w_c / V)
+               * (1 - (x_c / cap)**2 with soft-capping)
+
+with ``p = softmax(x)`` and ``g`` the incoming gradient of the row's loss. This is torch's cross_entropy with
+``weight`` and ``label_smoothing`` (whose "mean" also divides by the sum of the targets' weights), plus the
+z-loss, which is not class-weighted. Rows whose target is ``ignore_index`` get loss 0 and a zero gradient and
+are not counted in D. A target outside ``[0, V)`` that is not ``ignore_index`` is never used as an address
+(its loads are masked): that row's loss and gradient are NaN, so the bad label shows in the loss without a
+host synchronisation.
+
+``_cross_entropy_kernel`` runs one program per row and walks the row in ``BLOCK_COLS`` chunks:
+  pass 1 (LOSS_PASS): an online log-sum-exp (running max, rescaled sum; one exp per element) and, with label
+    smoothing, ``sum_c w_c * x_c``; then stores the row's loss (and z-loss), and lse for a later backward;
+  pass 2 (GRAD_PASS): re-reads the row (mostly from L2: a row of 152k bf16 logits is 300 KB) and writes the
+    gradient in the logits dtype. Without LOSS_PASS it takes lse from the forward's output instead.
+The gradient may be written into the logits buffer itself (each element is read before it is written, by the
+same program), which is how fused linear cross-entropy keeps one chunk buffer. ``g`` comes from
+``grad_out_ptr`` (per row, or one value with stride 0) or is 1 when the gradient is written during the forward.
+Offsets are int64, so ``rows * V`` beyond 2**31 is fine.
+
+``_loss_constants_kernel`` computes on the device, in one program, D (the "mean" denominator) and W, so no
+host synchronisation is needed. ``_scale_kernel`` multiplies a gradient computed during the forward by the
+incoming gradient in place, and exits at once when that gradient is exactly 1 (``loss.backward()``).
+"""
+
+import triton
+import triton.language as tl
+
+from ._launch import launch
+
+
+@triton.jit
+def _soft_cap(z, softcap, HAS_SOFTCAP: tl.constexpr):
+    """(x, tanh(z / cap)): the capped logits in fp32 and the tanh the gradient needs (unused without capping)."""
+    t = z
+    if HAS_SOFTCAP:
+        # tanh(u) = 1 - 2 / (exp(2u) + 1): saturates to +-1 without overflow (exp gives inf or 0).
+        t = 1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0)
+        z = softcap * t
+    return z, t
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    logits_ptr, target_ptr, weight_ptr, constants_ptr, grad_out_ptr, loss_ptr, z_loss_ptr, lse_ptr, dlogits_ptr,
+    n_cols, logits_stride_row, logits_stride_col, dlogits_stride_row, grad_out_stride,
+    ignore_index, label_smoothing, lse_square_scale, softcap,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    MEAN: tl.constexpr, LOSS_PASS: tl.constexpr, STORE_Z_LOSS: tl.constexpr, GRAD_PASS: tl.constexpr,
+    HAS_GRAD_OUT: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * logits_stride_row
+    y = tl.load(target_ptr + row).to(tl.int64)
+    ignored = y == ignore_index
+    in_range = (y >= 0) & (y < n_cols)
+    counted = in_range & (y != ignore_index)
+    y_safe = tl.where(counted, y, 0)
+    if HAS_WEIGHT:
+        w_y = tl.load(weight_ptr + y_safe).to(tl.float32)
+        if HAS_SMOOTHING:
+            weight_sum = tl.load(constants_ptr + 1)
+        else:
+            weight_sum = 0.0
+    else:
+        w_y = 1.0
+        weight_sum = n_cols * 1.0
+    r = 1.0
+    if MEAN:
+        denominator = tl.load(constants_ptr)
+        # D = 0 only when no row is counted: every loss and gradient is then 0 (or NaN) whatever r is.
+        r = 1.0 / tl.where(denominator != 0.0, denominator, 1.0)
+    smoothing_per_class = label_smoothing / n_cols
+    # Rows that are not counted read no logits: pass 1 does not run for them, pass 2 masks every load.
+    n_read = tl.where(counted, n_cols, 0)
+
+    if LOSS_PASS:
+        running_max = tl.full((), float("-inf"), tl.float32)
+        running_sum = tl.full((), 0.0, tl.float32)
+        weighted_sum = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
+        for start in range(0, n_read, BLOCK_COLS):
+            cols = start + tl.arange(0, BLOCK_COLS)
+            mask = cols < n_cols
+            z = tl.load(row_ptr + cols * logits_stride_col, mask=mask, other=0.0).to(tl.float32)
+            x, _ = _soft_cap(z, softcap, HAS_SOFTCAP)
+            if HAS_SMOOTHING:  # (lanes past the row end hold x = 0 here)
+                if HAS_WEIGHT:
+                    weighted_sum += tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) * x
+                else:
+                    weighted_sum += x
+            x = tl.where(mask, x, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            # While every logit so far is -inf, subtract 0 instead of -inf (exp(-inf - -inf) would be NaN).
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+            running_max = new_max
+        # Rows that are not counted read nothing: give them lse 0 rather than log(0), which keeps -inf and NaN
+        # out of their (discarded) arithmetic.
+        lse = tl.where(running_max == float("-inf"), 0.0, running_max) + tl.log(tl.where(counted, running_sum, 1.0))
+        x_y, _ = _soft_cap(tl.load(row_ptr + y_safe * logits_stride_col, mask=counted, other=0.0).to(tl.float32),
+                           softcap, HAS_SOFTCAP)
+        ce = (1.0 - label_smoothing) * w_y * (lse - x_y)
+        if HAS_SMOOTHING:
+            ce += smoothing_per_class * (weight_sum * lse - tl.sum(weighted_sum, axis=0))
+        z_loss = 0.0
+        if HAS_Z_LOSS:
+            z_loss = lse_square_scale * lse * lse
+        loss = tl.where(ignored, 0.0, tl.where(counted, r * (ce + z_loss), float("nan")))
+        tl.store(loss_ptr + row, loss)
+        if STORE_Z_LOSS:
+            tl.store(z_loss_ptr + row, tl.where(ignored, 0.0, tl.where(counted, r * z_loss, float("nan"))))
+        tl.store(lse_ptr + row, lse)
+    else:
+        lse = tl.load(lse_ptr + row)
+
+    if GRAD_PASS:
+        g = 1.0
+        if HAS_GRAD_OUT:
+            g = tl.load(grad_out_ptr + row * grad_out_stride).to(tl.float32)
+        scale = r * g
+        # The target's term is coef_y * (p - 1), computed as written: p - 1 is exact near p = 1, where a
+        # confident prediction's small gradient would otherwise be lost to cancellation.
+        coef_y = scale * (1.0 - label_smoothing) * w_y
+        # Smoothing and z-loss terms stay separate, so each cancels only against its own kind, as in autograd.
+        coef_s = scale * smoothing_per_class * weight_sum
+        coef_z = scale * 2.0 * lse_square_scale * lse
+        coef_c = scale * smoothing_per_class
+        # An out-of-range target poisons its row's gradient (see the module docstring).
+        coef_y = tl.where(ignored | counted, coef_y, float("nan"))
+        d_row_ptr = dlogits_ptr + row * dlogits_stride_row
+        for start in range(0, n_cols, BLOCK_COLS):
+            cols = start + tl.arange(0, BLOCK_COLS)
+            mask = cols < n_cols
+            z = tl.load(row_ptr + cols * logits_stride_col, mask=cols < n_read, other=0.0).to(tl.float32)
+            x, t = _soft_cap(z, softcap, HAS_SOFTCAP)
+            p = tl.exp(x - lse)
+            dx = coef_y * tl.where(cols == y, p - 1.0, p)
+            if HAS_SMOOTHING:
+                if HAS_WEIGHT:
+                    dx += coef_s * p - coef_c * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    dx += coef_s * p - coef_c
+            if HAS_Z_LOSS:
+                dx += coef_z * p
+            if HAS_SOFTCAP:
+                dx *= 1.0 - t * t
+            dx = tl.where(ignored, 0.0, dx)
+            tl.store(d_row_ptr + cols, dx.to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _loss_constants_kernel(target_ptr, weight_ptr, constants_ptr, n_rows, n_cols, ignore_index,
+                           HAS_WEIGHT: tl.constexpr, WEIGHT_SUM: tl.constexpr, BLOCK: tl.constexpr):
+    """constants[0] = D, the number (or with weights the summed weight) of counted targets; constants[1] = W,
+    the sum of the class weights, when WEIGHT_SUM. One program, fixed order: deterministic."""
+    offsets = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + offsets
+        y = tl.load(target_ptr + rows, mask=rows < n_rows, other=ignore_index).to(tl.int64)
+        counted = (rows < n_rows) & (y != ignore_index) & (y >= 0) & (y < n_cols)
+        if HAS_WEIGHT:
+            acc += tl.load(weight_ptr + tl.where(counted, y, 0), mask=counted, other=0.0).to(tl.float32)
+        else:
+            acc += counted.to(tl.float32)
+    tl.store(constants_ptr, tl.sum(acc, axis=0))
+    if WEIGHT_SUM:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + offsets
+            acc += tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        tl.store(constants_ptr + 1, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, n_cols, stride_row, n_col_blocks, BLOCK: tl.constexpr):
+    """x[row, :] *= scale[0] in place, for rows of ``n_cols`` elements ``stride_row`` apart; nothing is read or
+    written when the scale is exactly 1."""
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if scale != 1.0:
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid // n_col_blocks
+        cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        ptrs = x_ptr + row * stride_row + cols
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptrs, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def loss_constants(target, weight, constants, n_rows, n_cols, ignore_index, weight_sum, *, block, num_warps):
+    """Fill ``constants`` (fp32, 2 elements): [D, W]; W only when ``weight_sum`` (it needs class weights)."""
+    launch(_loss_constants_kernel, (1,),
+           (target, weight if weight is not None else constants, constants, n_rows, n_cols, ignore_index),
+           dict(HAS_WEIGHT=weight is not None, WEIGHT_SUM=weight_sum, BLOCK=block), num_warps)
+
+
+def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, lse, dlogits, grad_out, n_rows, n_cols,
+                       ignore_index, label_smoothing, lse_square_scale, softcap, mean, *, loss_pass, grad_pass,
+                       block_cols, num_warps):
+    """Launch the row kernel over ``n_rows`` rows of the 2-D ``logits`` (any strides).
+
+    ``loss``/``lse`` (fp32, ``(n_rows,)``) are written when ``loss_pass``; ``lse`` is read otherwise. ``z_loss``
+    (may be None) receives the z-loss part of each row's loss. ``dlogits`` (2-D, unit column stride; may be
+    ``logits`` itself) receives the gradient when ``grad_pass``, scaled by ``grad_out`` when given (one value
+    per row, or a single value). ``softcap`` is None or > 0.
+    """
+    if grad_out is not None:
+        grad_out_stride = 0 if grad_out.numel() == 1 else 1
+    else:
+        grad_out_stride = 0
+    launch(
+        _cross_entropy_kernel, (n_rows,),
+        (logits, target, weight if weight is not None else constants, constants,
+         grad_out if grad_out is not None else constants, loss if loss is not None else constants,
+         z_loss if z_loss is not None else constants, lse, dlogits if dlogits is not None else logits,
+         n_cols, logits.stride(0), logits.stride(1), dlogits.stride(0) if dlogits is not None else 0,
+         grad_out_stride, ignore_index, float(label_smoothing), float(lse_square_scale),
+         float(softcap) if softcap is not None else 1.0),
+        dict(HAS_WEIGHT=weight is not None, HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=lse_square_scale > 0,
+             HAS_SOFTCAP=softcap is not None, MEAN=mean, LOSS_PASS=loss_pass, STORE_Z_LOSS=z_loss is not None,
+             GRAD_PASS=grad_pass, HAS_GRAD_OUT=grad_out is not None, BLOCK_COLS=block_cols),
+        num_warps)
+
+
+def scale_(x, scale, *, block, num_warps):
+    """``x *= scale`` in place (``scale``: a one-element device tensor), skipped on the device when it is 1.
+    ``x`` is 2-D with unit column stride, or 1-D contiguous."""
+    x2d = x if x.dim() == 2 else x.view(1, -1)
+    n_rows, n_cols = x2d.shape
+    if x2d.numel() == 0:
+        return
+    n_col_blocks = triton.cdiv(n_cols, block)
+    launch(_scale_kernel, (n_rows * n_col_blocks,), (x2d, scale, n_cols, x2d.stride(0), n_col_blocks),
+           dict(BLOCK=block), num_warps)

@@ -1,0 +1,400 @@
+"""Fused linear cross-entropy: options, chunking, gradients of hidden/weight/bias against float64, tied and view
+weights, errors, compile, memory, and the causal-LM Hub layer in a tiny Llama.
+
+On the CPU the chunk size is forced small (a few tokens) so every test crosses chunk boundaries.
+"""
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import DEVICE, EXACT_BF16_ROUNDING, ON_GPU
+from numerics import assert_close_ratio, rel_err
+from test_cross_entropy import REDUCTIONS, baseline, leaf, reference_float64
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SHAPE = (2, 300, 1024, 32000) if ON_GPU else (3, 5, 32, 300)  # (batch, tokens, hidden, vocab)
+CHUNK = 256 if ON_GPU else 4
+
+
+def make_inputs(shape, dtype, with_bias=False, ignored_fraction=0.3, device=DEVICE):
+    *leading, n_hidden, vocab = shape
+    hidden = torch.randn(*leading, n_hidden, device=device).to(dtype)
+    weight = (torch.randn(vocab, n_hidden, device=device) / n_hidden**0.5 * 2).to(dtype)
+    bias = (0.5 * torch.randn(vocab, device=device)).to(dtype) if with_bias else None
+    target = torch.randint(0, vocab, leading, device=device)
+    target = torch.where(torch.rand(leading, device=device) < ignored_fraction, -100, target)
+    return hidden, weight, bias, target
+
+
+def check(fk, hidden, weight, bias, target, class_weight=None, *, chunk_tokens=CHUNK, k=None, **options):
+    """Ours against the float64 reference, error-ratio bounded by an HF-style baseline (lm_head in the input
+    dtype, then fp32 cross-entropy). Returns (loss, grad_hidden, grad_weight, grad_bias)."""
+    dtype = hidden.dtype
+    if k is None:  # the interpreter truncates fp32 -> bf16 where the GPU rounds (conftest)
+        k = 2.0 if dtype != torch.bfloat16 or EXACT_BF16_ROUNDING else 3.0
+    opts = dict(ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0, softcap=None)
+    opts.update(options)
+    inputs = [hidden, weight] + ([bias] if bias is not None else [])
+    before = [t.clone() for t in inputs]
+    h, w, b = leaf(hidden), leaf(weight), leaf(bias) if bias is not None else None
+    loss, z_loss = fk.fused_linear_cross_entropy(h, w, target, b, class_weight=class_weight, return_z_loss=True,
+                                                 chunk_tokens=chunk_tokens, **opts)
+    grad = torch.randn(loss.shape, device=loss.device)
+    loss.backward(grad)
+    assert all(torch.equal(x, y) for x, y in zip(before, inputs)), "an input was modified"
+    assert loss.dtype == torch.float32 and h.grad.dtype == dtype and w.grad.dtype == dtype
+
+    hr, wr, br = leaf(hidden.double()), leaf(weight.double()), leaf(bias.double()) if bias is not None else None
+    loss_ref, z_ref = reference_float64(F.linear(hr, wr, br), target, class_weight, **opts)
+    loss_ref.backward(grad.double())
+    hb, wb, bb = leaf(hidden), leaf(weight), leaf(bias) if bias is not None else None
+    loss_base = baseline(F.linear(hb, wb, bb), target, class_weight, **opts)
+    loss_base.backward(grad)
+
+    if not (target != -100).any():
+        assert not loss.any() and not h.grad.any() and not w.grad.any()
+        return loss, h.grad, w.grad, None
+    assert_close_ratio("loss", loss, loss_base, loss_ref, k, torch.float32 if dtype == torch.float32 else dtype)
+    assert rel_err(z_loss, z_ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert_close_ratio("dhidden", h.grad, hb.grad, hr.grad, k, dtype)
+    assert_close_ratio("dweight", w.grad, wb.grad, wr.grad, k, dtype)
+    if bias is not None:
+        assert_close_ratio("dbias", b.grad, bb.grad, br.grad, k, dtype)
+    return loss, h.grad, w.grad, b.grad if bias is not None else None
+
+
+OPTION_GRID = list(itertools.product(REDUCTIONS, (0.0, 0.1), (False, True), (None, 5.0), (0.0, 1e-3)))
+
+
+@pytest.mark.parametrize("reduction, label_smoothing, with_class_weight, softcap, lse_square_scale", OPTION_GRID)
+def test_every_option_combination(fk, poisoned_empty, reduction, label_smoothing, with_class_weight, softcap,
+                                  lse_square_scale):
+    torch.manual_seed(0)
+    hidden, weight, bias, target = make_inputs(SHAPE, torch.float32, with_bias=reduction != "sum")
+    class_weight = torch.rand(SHAPE[-1], device=DEVICE) + 0.1 if with_class_weight else None
+    check(fk, hidden, weight, bias, target, class_weight, reduction=reduction, label_smoothing=label_smoothing,
+          softcap=softcap, lse_square_scale=lse_square_scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_half_precision(fk, poisoned_empty, dtype, reduction, with_bias):
+    torch.manual_seed(1)
+    hidden, weight, bias, target = make_inputs(SHAPE, dtype, with_bias)
+    check(fk, hidden, weight, bias, target, reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-4)
+
+
+def test_chunk_size_does_not_change_the_result(fk):
+    """Any chunking gives the same loss and gradients (fp32; summation order differs only across chunks)."""
+    torch.manual_seed(2)
+    hidden, weight, bias, target = make_inputs(SHAPE, torch.float32, with_bias=True)
+    n_tokens = target.numel()
+    results = []
+    for chunk_tokens in (1, 3, CHUNK, n_tokens, 10**6):
+        torch.manual_seed(3)  # the same incoming gradient each time
+        results.append(check(fk, hidden, weight, bias, target, chunk_tokens=chunk_tokens))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert rel_err(b, a) < 1e-6
+
+
+def test_default_chunk_follows_the_memory_budget(fk):
+    flce = fk.fused_linear_cross_entropy.__globals__
+    chunk_tokens_for, budget = flce["chunk_tokens_for"], flce["CHUNK_BYTES"]
+    assert chunk_tokens_for(8192, 151936, 2) == 2752  # three chunks of 0.84 GB for Qwen3's vocabulary
+    assert chunk_tokens_for(100, 32000, 2) == 100
+    for n_tokens, vocab in [(8192, 151936), (65536, 262144), (1, 10**6), (5000, 128256)]:
+        chunk = chunk_tokens_for(n_tokens, vocab, 2)
+        assert 1 <= chunk <= n_tokens
+        assert chunk * vocab * 2 <= 1.1 * budget or chunk <= 64
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_equals_cross_entropy_on_explicit_logits(fk, reduction):
+    torch.manual_seed(3)
+    hidden, weight, bias, target = make_inputs(SHAPE, torch.float32, with_bias=True)
+    options = dict(reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0)
+    fused = fk.fused_linear_cross_entropy(hidden, weight, target, bias, chunk_tokens=CHUNK, **options)
+    explicit = fk.cross_entropy(F.linear(hidden, weight, bias), target, **options)
+    assert rel_err(fused, explicit) < 1e-6
+
+
+@settings(max_examples=8 if not ON_GPU else 30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    n_tokens=st.integers(1, 20 if not ON_GPU else 3000),
+    n_hidden=st.integers(1, 40 if not ON_GPU else 1100),
+    vocab=st.integers(1, 400 if not ON_GPU else 50000),
+    chunk_tokens=st.integers(1, 8 if not ON_GPU else 2048),
+    dtype=st.sampled_from(DTYPES),
+    reduction=st.sampled_from(REDUCTIONS),
+    with_bias=st.booleans(),
+    label_smoothing=st.sampled_from([0.0, 0.1]),
+)
+def test_property_random_shapes(fk, n_tokens, n_hidden, vocab, chunk_tokens, dtype, reduction, with_bias,
+                                label_smoothing):
+    torch.manual_seed(n_tokens * 1009 + vocab)
+    hidden, weight, bias, target = make_inputs((n_tokens, n_hidden, vocab), dtype, with_bias)
+    # A one-column hidden state gives GEMMs without any summation, where error ratios are meaningless.
+    check(fk, hidden, weight, bias, target, chunk_tokens=chunk_tokens, reduction=reduction,
+          label_smoothing=label_smoothing, k=2.0 if n_hidden > 1 else 10.0)
+
+
+def test_tied_embedding_weight(fk):
+    """The LM head tied to the input embedding: both uses of the one parameter receive their gradients."""
+    torch.manual_seed(4)
+    n_tokens, n_hidden, vocab = (512, 256, 4096) if ON_GPU else (12, 16, 300)
+    ids = torch.randint(0, vocab, (n_tokens,), device=DEVICE)
+    target = torch.randint(0, vocab, (n_tokens,), device=DEVICE)
+    emb = torch.randn(vocab, n_hidden, device=DEVICE)
+
+    def step(weight, loss_fn):
+        hidden = torch.tanh(F.embedding(ids, weight) * 2)
+        return loss_fn(hidden, weight)
+
+    ours_w, ref_w = leaf(emb), leaf(emb.double())
+    step(ours_w, lambda h, w: fk.fused_linear_cross_entropy(h, w, target, chunk_tokens=CHUNK)).backward()
+    step(ref_w, lambda h, w: F.cross_entropy(F.linear(h, w), target)).backward()
+    assert rel_err(ours_w.grad, ref_w.grad) < 1e-5
+
+
+@pytest.mark.parametrize("view", ["row_slice", "transposed"])
+def test_weight_that_is_a_view(fk, view):
+    torch.manual_seed(5)
+    hidden, weight, bias, target = make_inputs(SHAPE, torch.float32, with_bias=True)
+    base = leaf(torch.cat([weight, weight[:7]]) if view == "row_slice" else weight.t().contiguous())
+    weight_view = base[: weight.shape[0]] if view == "row_slice" else base.t()
+    h = leaf(hidden)
+    fk.fused_linear_cross_entropy(h, weight_view, target, bias, chunk_tokens=CHUNK).backward()
+    hr, wr = leaf(hidden.double()), leaf(weight.double())
+    F.cross_entropy(F.linear(hr, wr, bias.double()).reshape(-1, weight.shape[0]), target.reshape(-1)).backward()
+    grad_weight = base.grad[: weight.shape[0]] if view == "row_slice" else base.grad.t()
+    assert rel_err(grad_weight, wr.grad) < 1e-5 and rel_err(h.grad, hr.grad) < 1e-5
+    if view == "row_slice":
+        assert not base.grad[weight.shape[0]:].any()
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_tokens_ignored(fk, reduction):
+    hidden, weight, bias, target = make_inputs((6, 16, 300), torch.float32, with_bias=True, ignored_fraction=1.0)
+    h, w, b = leaf(hidden), leaf(weight), leaf(bias)
+    loss = fk.fused_linear_cross_entropy(h, w, target, b, reduction=reduction, chunk_tokens=CHUNK)
+    assert not loss.any()
+    loss.sum().backward()
+    assert not h.grad.any() and not w.grad.any() and not b.grad.any()
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_single_token(fk, reduction):
+    hidden, weight, bias, target = make_inputs((1, 16, 300), torch.bfloat16, with_bias=True, ignored_fraction=0.0)
+    check(fk, hidden, weight, bias, target, reduction=reduction)
+
+
+def test_only_some_inputs_require_grad(fk):
+    hidden, weight, _, target = make_inputs(SHAPE, torch.float32)
+    w = leaf(weight)
+    fk.fused_linear_cross_entropy(hidden, w, target, chunk_tokens=CHUNK).backward()
+    wr = leaf(weight.double())
+    F.cross_entropy(F.linear(hidden.double(), wr).reshape(-1, weight.shape[0]), target.reshape(-1)).backward()
+    assert rel_err(w.grad, wr.grad) < 1e-5
+    h = leaf(hidden)
+    fk.fused_linear_cross_entropy(h, weight, target, chunk_tokens=CHUNK, reduction="none").sum().backward()
+    assert h.grad is not None
+
+
+def test_no_grad_forward_and_scaled_backward(fk):
+    hidden, weight, _, target = make_inputs(SHAPE, torch.float32)
+    h1, w1, h3, w3 = leaf(hidden), leaf(weight), leaf(hidden), leaf(weight)
+    with torch.no_grad():
+        loss0 = fk.fused_linear_cross_entropy(h1, w1, target, chunk_tokens=CHUNK)
+    assert not loss0.requires_grad
+    loss1 = fk.fused_linear_cross_entropy(h1, w1, target, chunk_tokens=CHUNK)
+    assert torch.equal(loss0, loss1.detach())
+    loss1.backward()
+    (3 * fk.fused_linear_cross_entropy(h3, w3, target, chunk_tokens=CHUNK)).backward()
+    assert rel_err(h3.grad, 3 * h1.grad) < 1e-6 and rel_err(w3.grad, 3 * w1.grad) < 1e-6
+
+
+def test_second_backward_is_refused(fk):
+    hidden, weight, _, target = make_inputs((4, 16, 300), torch.float32)
+    loss = fk.fused_linear_cross_entropy(leaf(hidden), leaf(weight), target)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_out_of_range_target_gives_nan_loss(fk):
+    hidden, weight, _, target = make_inputs((4, 16, 300), torch.float32, ignored_fraction=0.0)
+    target[1] = 300
+    losses = fk.fused_linear_cross_entropy(hidden, weight, target, reduction="none")
+    assert torch.isnan(losses[1]) and torch.isfinite(losses[[0, 2, 3]]).all()
+
+
+def _bad(**overrides):
+    hidden, weight, _, target = make_inputs((4, 8, 16), torch.float32)
+    args = dict(hidden=hidden, weight=weight, target=target)
+    args.update({k: v(DEVICE) if callable(v) else v for k, v in overrides.items()})
+    return args
+
+
+BAD_INPUTS = [
+    (_bad(weight=lambda d: torch.randn(16, 8, device=d, dtype=torch.float16)), TypeError,
+     "weight must have the dtype of hidden"),
+    (_bad(weight=lambda d: torch.randn(16, 9, device=d)), ValueError, r"weight must have shape \(vocab, 8\)"),
+    (_bad(weight=lambda d: torch.randn(16, device=d)), ValueError, "weight must be 2-dimensional"),
+    (_bad(hidden=lambda d: torch.randn(4, 8, device=d).double()), TypeError, "hidden must have dtype"),
+    (_bad(target=lambda d: torch.zeros(4, device=d)), TypeError, "target must have dtype int64, int32"),
+    (_bad(target=lambda d: torch.zeros(3, dtype=torch.int64, device=d)), ValueError, r"target must have shape \(4,\)"),
+    (_bad(bias=lambda d: torch.randn(15, device=d)), ValueError, r"bias must be a \(16,\) tensor"),
+    (_bad(class_weight=lambda d: torch.rand(15, device=d)), ValueError, r"class_weight must have shape \(16,\)"),
+    (_bad(chunk_tokens=0), ValueError, "chunk_tokens must be a positive int"),
+    (_bad(reduction="avg"), ValueError, "reduction must be one of"),
+    (_bad(softcap=-1.0), ValueError, "softcap must be"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)))
+def test_bad_inputs_raise_clear_errors(fk, case):
+    kwargs, error, message = BAD_INPUTS[case]
+    with pytest.raises(error, match=message):
+        fk.fused_linear_cross_entropy(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch.library integration.
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_opcheck(fk, reduction):
+    hidden, weight, bias, target = make_inputs((6, 8, 40) if not ON_GPU else (64, 256, 4096), torch.float32, True)
+    args = (leaf(hidden), leaf(weight), target, leaf(bias), None, -100, reduction, 0.1, 1e-4, None, True, 4,
+            True, True, True)
+    torch.library.opcheck(fk._ops.ops.fused_linear_cross_entropy, args)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_compile_fullgraph(fk, reduction):
+    torch._dynamo.reset()
+    hidden, weight, bias, target = make_inputs(SHAPE, torch.float32, with_bias=True)
+
+    def step(hidden, weight, bias):
+        return fk.fused_linear_cross_entropy(torch.tanh(hidden), weight, target, bias, reduction=reduction,
+                                             label_smoothing=0.1, chunk_tokens=CHUNK)
+
+    compiled = torch.compile(step, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    eager_args, compiled_args = [leaf(t) for t in (hidden, weight, bias)], [leaf(t) for t in (hidden, weight, bias)]
+    eager_loss, compiled_loss = step(*eager_args), compiled(*compiled_args)
+    torch.testing.assert_close(eager_loss, compiled_loss, rtol=1e-5, atol=1e-6)
+    (eager_loss.sum() * 2).backward()
+    (compiled_loss.sum() * 2).backward()
+    for a, b in zip(eager_args, compiled_args):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The torch-cpu variant.
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torch_cpu_variant_matches_reference(fk_cpu, poisoned_empty, reduction, dtype):
+    torch.manual_seed(6)
+    hidden, weight, bias, target = make_inputs((3, 5, 32, 300), dtype, with_bias=True, device="cpu")
+    check(fk_cpu, hidden, weight, bias, target, torch.rand(300) + 0.1, reduction=reduction, label_smoothing=0.1,
+          lse_square_scale=1e-4, softcap=20.0, k=2.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU: bf16 at real sizes, and the memory bound.
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not ON_GPU, reason="realistic LM-head shapes are too slow for the CPU interpreter")
+@pytest.mark.parametrize("shape", [(4096, 2048, 32000), (2048, 4096, 151936), (1024, 1024, 262144)], ids=str)
+def test_bf16_real_shapes(fk, shape):
+    torch.manual_seed(7)
+    hidden, weight, bias, target = make_inputs(shape, torch.bfloat16)
+    check(fk, hidden, weight, bias, target, chunk_tokens=None, label_smoothing=0.1, lse_square_scale=1e-4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="peak memory is measured with torch.cuda")
+def test_peak_memory_is_bounded_by_a_chunk(fk):
+    """32k tokens of a 152k vocabulary: the logits alone would be 19.9 GB in fp32 (10 GB in bf16). Ours: one
+    chunk of logits, the fp32 weight-gradient buffer and its bf16 rounding, and the hidden gradient (twice, in
+    case autograd copies it into .grad)."""
+    n_tokens, n_hidden, vocab, chunk = 32768, 1024, 151936, 2048
+    hidden, weight, _, target = make_inputs((n_tokens, n_hidden, vocab), torch.bfloat16)
+    h, w = leaf(hidden), leaf(weight)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fk.fused_linear_cross_entropy(h, w, target, chunk_tokens=chunk).backward()
+    torch.cuda.synchronize()
+    peak_extra = torch.cuda.max_memory_allocated() - held
+    bound = chunk * vocab * 2 + vocab * n_hidden * (4 + 2) + 2 * n_tokens * n_hidden * 2 + 64 * 2**20
+    assert peak_extra <= bound, f"peak extra {peak_extra / 2**30:.2f} GiB > bound {bound / 2**30:.2f} GiB"
+    assert peak_extra < n_tokens * vocab * 2 / 4
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The causal-LM Hub layer, kernelized into a tiny Llama (training step: loss and every parameter gradient).
+# ----------------------------------------------------------------------------------------------------------
+
+def _tiny_llama(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class TinyLlama(LlamaForCausalLM):  # a subclass, so the layer name attached below stays local to the test
+        pass
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return TinyLlama(config).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("variant", ["selected"] if ON_GPU else ["torch-cpu", "torch-cuda"])
+def test_causal_lm_layer_matches_the_stock_model(build_dir, variant):
+    from kernels import LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
+
+    name = "FusedLinearCrossEntropyForCausalLM"
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    reference = _tiny_llama(dtype).train()
+    patched = copy.deepcopy(reference)
+    replace_kernel_forward_from_hub(type(patched), name)
+    path = build_dir if ON_GPU else build_dir / variant
+    with use_kernel_mapping({name: {DEVICE.type: LocalLayerRepository(path, layer_name=name)}}, inherit_mapping=False):
+        patched = kernelize(patched, mode=Mode.TRAINING, device=DEVICE.type)
+    assert patched.forward.__func__.__module__.endswith(".layers"), "kernelize did not swap in the Hub layer"
+
+    input_ids = torch.randint(0, 300, (2, 16), device=DEVICE)
+    labels = input_ids.clone()
+    labels[0, :5] = -100
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    for num_items in (None, torch.tensor(20, device=DEVICE)):
+        results = []
+        for model in (reference, patched):
+            model.zero_grad()
+            extra = {} if num_items is None else {"num_items_in_batch": num_items}
+            out = model(input_ids=input_ids, labels=labels, **extra)
+            out.loss.backward()
+            results.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (ref_out, ref_grads), (out, grads) = results
+        assert out.logits is None, "training with labels must not build the logits"
+        torch.testing.assert_close(out.loss, ref_out.loss, **tol)
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(grads[n], g, **tol, msg=lambda m: f"{n}: {m}")
+
+    # Evaluation (and generation) keep the stock outputs, logits included.
+    patched.eval()
+    reference.eval()
+    with torch.no_grad():
+        out, ref_out = patched(input_ids=input_ids, labels=labels), reference(input_ids=input_ids, labels=labels)
+    torch.testing.assert_close(out.logits, ref_out.logits, **tol)
+    torch.testing.assert_close(out.loss, ref_out.loss, **tol)

@@ -1,0 +1,370 @@
+"""Cross-entropy over given logits: torch ops, autograd, fake kernels and the functional API.
+
+The loss (formulas in ``kernels_src/cross_entropy.py``) is torch's ``F.cross_entropy`` over the last
+dimension, with class weights and label smoothing as torch defines them, plus a z-loss (``lse_square_scale *
+logsumexp**2`` per counted token, not class-weighted) and optional logit soft-capping
+(``softcap * tanh(logits / softcap)``, differentiated through). Math and losses are fp32 whatever the logits
+dtype; the gradient has the logits dtype.
+
+Reductions. ``"mean"`` divides the summed token losses (z-loss included) by D, the number of tokens whose
+target is not ``ignore_index`` (with class weights: the sum of their targets' weights, as torch does). D is
+computed on the device: no host synchronisation, so CUDA graphs and ``torch.compile(fullgraph=True)`` work.
+When every token is ignored the loss is 0 (torch gives NaN). ``"sum"`` adds them, ``"none"`` returns one loss
+per token (0 for ignored tokens). A target outside ``[0, vocab)`` that is not ``ignore_index`` makes its
+token's loss and gradient NaN (documented, device-side, never an out-of-bounds access): the loss turns NaN.
+
+Gradient traffic. In eager mode with reduction mean/sum, when the logits require grad, the gradient is
+written during the forward pass (the row is re-read from L2 right after its log-sum-exp), so the backward only
+multiplies it by the incoming gradient, in place, and skips even that on the device when the incoming
+gradient is exactly 1 (``loss.backward()``). That buffer is the only extra memory. A second backward through
+the same graph is refused (the buffer was consumed). With ``inplace_backward=True`` the gradient overwrites
+the caller's logits instead (their autograd version is bumped, so an op that saved them raises rather than
+computing a wrong gradient); by default the logits are never written. Reduction ``"none"``, and every
+reduction under ``torch.compile``, keeps the forward pure: it saves the per-token log-sum-exp and the
+backward computes the gradient with the per-token incoming gradient folded in (one read, one write).
+
+CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels; otherwise a plain PyTorch
+implementation of the same function runs (the ``torch-cpu`` variant). The helpers ``loss_constants``,
+``loss_rows`` and ``scale_`` are shared with fused linear cross-entropy.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from . import _checks
+from ._build_info import BACKEND
+from ._launch_config import pick
+from ._ops import add_op_namespace_prefix
+
+if BACKEND == "cuda":
+    from ._kernels import cross_entropy as _triton_ce
+else:
+    _triton_ce = None
+
+REDUCTIONS = ("mean", "sum", "none")
+TARGET_DTYPES = (torch.int64, torch.int32)
+_CONFIG_FAMILY = "cross_entropy"
+
+
+class LossOptions(NamedTuple):
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+    lse_square_scale: float
+    softcap: float | None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return _triton_ce is not None and (t.is_cuda or (t.device.type == "cpu" and _checks.interpreting()))
+
+
+def validate_options(opts: LossOptions):
+    if isinstance(opts.ignore_index, bool) or not isinstance(opts.ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {opts.ignore_index!r}")
+    _checks.check_choice("reduction", opts.reduction, REDUCTIONS)
+    ls = opts.label_smoothing
+    if isinstance(ls, bool) or not isinstance(ls, (int, float)) or not 0.0 <= ls <= 1.0:
+        raise ValueError(f"label_smoothing must be a number in [0, 1], got {ls!r}")
+    z = opts.lse_square_scale
+    if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z) or z < 0:
+        raise ValueError(f"lse_square_scale must be a finite number >= 0, got {z!r}")
+    cap = opts.softcap
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
+                            or cap <= 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {cap!r}")
+
+
+def validate_target_and_weight(target, weight, leading_shape, n_classes, ref_name, ref):
+    """target: integer class indices of shape ``leading_shape``; weight: optional ``(n_classes,)`` float."""
+    _checks.check_tensor("target", target, dtypes=TARGET_DTYPES)
+    if tuple(target.shape) != tuple(leading_shape):
+        raise ValueError(f"target must have shape {tuple(leading_shape)} (the leading dimensions of {ref_name}), "
+                         f"got {tuple(target.shape)}")
+    if weight is not None:
+        _checks.check_tensor("weight", weight, ndim=1)
+        if weight.shape[0] != n_classes:
+            raise ValueError(f"weight must have shape ({n_classes},), one weight per class, got {tuple(weight.shape)}")
+    _checks.check_same_device(ref_name, ref, target=target, weight=weight)
+
+
+def _validate(logits, target, weight, opts):
+    _checks.check_tensor("logits", logits, min_ndim=1)
+    if logits.shape[-1] == 0:
+        raise ValueError(f"logits must have a non-empty last (class) dimension, got shape {tuple(logits.shape)}")
+    validate_target_and_weight(target, weight, logits.shape[:-1], logits.shape[-1], "logits", logits)
+    validate_options(opts)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Row computations shared with fused linear cross-entropy: Triton, or plain PyTorch with the same numerics.
+# ----------------------------------------------------------------------------------------------------------
+
+def _needs_weight_sum(weight, opts) -> bool:
+    return weight is not None and opts.label_smoothing > 0
+
+
+def loss_constants(target: torch.Tensor, weight, n_classes: int, opts: LossOptions) -> torch.Tensor:
+    """fp32 ``[D, W]`` on the device: D the "mean" denominator over the flat ``target``, W the sum of the class
+    weights (only computed when label smoothing needs it)."""
+    if use_triton(target):
+        constants = torch.zeros(2, device=target.device, dtype=torch.float32)
+        config = pick(_CONFIG_FAMILY, "constants", target.device, n_classes)
+        _triton_ce.loss_constants(target, weight, constants, target.numel(), n_classes, opts.ignore_index,
+                                  _needs_weight_sum(weight, opts), block=config["block_cols"],
+                                  num_warps=config["num_warps"])
+        return constants
+    counted = (target != opts.ignore_index) & (target >= 0) & (target < n_classes)
+    if weight is None:
+        denominator = counted.sum().float()
+    else:
+        denominator = torch.where(counted, weight.float()[torch.where(counted, target, 0).long()], 0.0).sum()
+    weight_sum = weight.float().sum() if _needs_weight_sum(weight, opts) else denominator.new_zeros(())
+    return torch.stack([denominator, weight_sum])
+
+
+def _torch_rows(logits, target, weight, constants, opts, loss, z_loss, lse, dlogits, grad_out, loss_pass,
+                grad_pass):
+    n_classes = logits.shape[1]
+    eps, cap = opts.label_smoothing, opts.softcap
+    z = logits.float()
+    tanh = torch.tanh(z / cap) if cap is not None else None
+    x = cap * tanh if cap is not None else z
+    ignored = target == opts.ignore_index
+    counted = ~ignored & (target >= 0) & (target < n_classes)
+    y = torch.where(counted, target, 0).long()
+    w = weight.float() if weight is not None else None
+    w_y = w[y] if w is not None else torch.ones_like(x[:, 0])
+    weight_sum = constants[1] if w is not None else float(n_classes)
+    r = torch.where(constants[0] != 0, 1.0 / constants[0], 0.0) if opts.reduction == "mean" else 1.0
+    nan = float("nan")
+    if loss_pass:
+        row_lse = torch.where(counted, torch.logsumexp(x, dim=1), 0.0)
+        ce = (1 - eps) * w_y * (row_lse - x.gather(1, y[:, None])[:, 0])
+        if eps > 0:
+            ce = ce + eps / n_classes * (weight_sum * row_lse - (x * w if w is not None else x).sum(1))
+        z_part = opts.lse_square_scale * row_lse.square() if opts.lse_square_scale > 0 else torch.zeros_like(ce)
+        loss.copy_(torch.where(ignored, 0.0, torch.where(counted, r * (ce + z_part), nan)))
+        if z_loss is not None:
+            z_loss.copy_(torch.where(ignored, 0.0, torch.where(counted, r * z_part, nan)))
+        lse.copy_(row_lse)
+    if grad_pass:
+        scale = r * (grad_out.float().reshape(-1) if grad_out is not None else 1.0) * torch.ones_like(lse)
+        coef_y = torch.where(ignored | counted, scale * (1 - eps) * w_y, nan)
+        p = torch.exp(torch.where(counted[:, None], x, 0.0) - lse[:, None])
+        # coef_y * (p - onehot): p - 1 is exact near 1, keeping a confident target's small gradient. The
+        # smoothing and z-loss terms stay separate, so each cancels only against its own kind.
+        dx = coef_y[:, None] * p.scatter_add(1, y[:, None], -torch.ones_like(p[:, :1]))
+        if eps > 0:
+            smoothing = (scale * eps / n_classes)[:, None]
+            dx = dx + smoothing * (weight_sum * p - (w[None, :] if w is not None else 1.0))
+        dx = dx + (scale * 2 * opts.lse_square_scale * lse)[:, None] * p
+        if cap is not None:
+            dx = dx * (1 - tanh * tanh)
+        dlogits.copy_(torch.where(ignored[:, None], 0.0, dx))
+
+
+def loss_rows(logits, target, weight, constants, opts: LossOptions, *, loss=None, z_loss=None, lse, dlogits=None,
+              grad_out=None, loss_pass: bool, grad_pass: bool):
+    """Per-row losses and/or gradients of the 2-D ``logits`` against the flat ``target``.
+
+    ``loss_pass`` writes ``loss``, ``z_loss`` (optional) and ``lse`` (fp32, one per row), already multiplied by
+    1 / D under reduction "mean". ``grad_pass`` writes the gradient into ``dlogits`` (may be ``logits``
+    itself), reading ``lse`` when there is no loss pass, times ``grad_out`` when given (one per row, or one)."""
+    if logits.shape[0] == 0:
+        return
+    if use_triton(logits):
+        config = pick(_CONFIG_FAMILY, "rows", logits.device, logits.shape[1])
+        _triton_ce.cross_entropy_rows(
+            logits, target, weight, constants, loss, z_loss, lse, dlogits, grad_out, logits.shape[0],
+            logits.shape[1], opts.ignore_index, opts.label_smoothing, opts.lse_square_scale, opts.softcap,
+            opts.reduction == "mean", loss_pass=loss_pass, grad_pass=grad_pass, block_cols=config["block_cols"],
+            num_warps=config["num_warps"])
+    else:
+        _torch_rows(logits, target, weight, constants, opts, loss, z_loss, lse, dlogits, grad_out, loss_pass,
+                    grad_pass)
+
+
+def scale_(t: torch.Tensor, scale: torch.Tensor) -> None:
+    """``t *= scale`` in place (``scale`` a one-element tensor); free on the GPU when ``scale`` is exactly 1."""
+    if use_triton(t):
+        config = pick(_CONFIG_FAMILY, "scale", t.device, t.shape[-1] if t.dim() else 1)
+        _triton_ce.scale_(t, scale, block=config["block_cols"], num_warps=config["num_warps"])
+    else:
+        t.mul_(scale.to(t.dtype))
+
+
+def reduce_rows(rows: torch.Tensor, opts: LossOptions, shape) -> torch.Tensor:
+    """The reduced loss from per-row values (already divided by D under "mean")."""
+    return rows.view(shape) if opts.reduction == "none" else rows.sum()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Forward and backward.
+# ----------------------------------------------------------------------------------------------------------
+
+def _forward(logits, target, weight, opts, return_z_loss, grad_in_forward, inplace):
+    """(loss, z_loss or None, lse, constants, dlogits or None): dlogits when ``grad_in_forward`` (reduction mean
+    or sum), written into the logits when ``inplace`` and their layout allows it."""
+    _validate(logits, target, weight, opts)
+    n_classes = logits.shape[-1]
+    logits2d, target1d = logits.reshape(-1, n_classes), target.reshape(-1).contiguous()
+    weight = weight.contiguous() if weight is not None else None
+    n_rows = target1d.numel()
+    constants = loss_constants(target1d, weight, n_classes, opts)
+    rows = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
+    z_rows = torch.empty_like(rows) if return_z_loss else None
+    lse = torch.empty_like(rows)
+    dlogits = None
+    if grad_in_forward:
+        if inplace and logits2d.stride(1) == 1:
+            dlogits = logits2d
+        else:
+            dlogits = torch.empty((n_rows, n_classes), device=logits.device, dtype=logits.dtype)
+    loss_rows(logits2d, target1d, weight, constants, opts, loss=rows, z_loss=z_rows, lse=lse, dlogits=dlogits,
+              loss_pass=True, grad_pass=grad_in_forward)
+    loss = reduce_rows(rows, opts, target.shape)
+    z_loss = reduce_rows(z_rows, opts, target.shape) if return_z_loss else None
+    return loss, z_loss, lse, constants, dlogits
+
+
+def _backward(grad_loss, logits, target, weight, lse, constants, opts):
+    """The logits gradient from the saved log-sum-exp, with the incoming gradient folded in."""
+    n_classes = logits.shape[-1]
+    logits2d = logits.reshape(-1, n_classes)
+    dlogits = torch.empty(logits2d.shape, device=logits.device, dtype=logits.dtype)
+    loss_rows(logits2d, target.reshape(-1).contiguous(), weight.contiguous() if weight is not None else None,
+              constants, opts, lse=lse, dlogits=dlogits, grad_out=grad_loss.reshape(-1).contiguous(),
+              loss_pass=False, grad_pass=True)
+    return dlogits.view(logits.shape)
+
+
+def _options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap) -> LossOptions:
+    return LossOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ops (what torch.compile, export and opcheck see).
+# ----------------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(add_op_namespace_prefix("cross_entropy"), mutates_args=())
+def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
+                      reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
+                      return_z_loss: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss (empty unless ``return_z_loss``), lse per token, constants [D, W]) with a pure forward."""
+    opts = _options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    loss, z_loss, lse, constants, _ = _forward(logits, target, weight, opts, return_z_loss, False, False)
+    return loss, z_loss if z_loss is not None else loss.new_empty(0), lse, constants
+
+
+@_cross_entropy_op.register_fake
+def _(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss):
+    _validate(logits, target, weight,
+              _options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap))
+    loss_shape = target.shape if reduction == "none" else ()
+    loss = logits.new_empty(loss_shape, dtype=torch.float32)
+    z_loss = logits.new_empty(loss_shape if return_z_loss else (0,), dtype=torch.float32)
+    return loss, z_loss, logits.new_empty((target.numel(),), dtype=torch.float32), \
+        logits.new_empty((2,), dtype=torch.float32)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("cross_entropy_backward"), mutates_args=())
+def _cross_entropy_backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
+                               weight: torch.Tensor | None, lse: torch.Tensor, constants: torch.Tensor,
+                               ignore_index: int, reduction: str, label_smoothing: float, lse_square_scale: float,
+                               softcap: float | None) -> torch.Tensor:
+    opts = _options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    return _backward(grad_loss, logits, target, weight, lse, constants, opts)
+
+
+@_cross_entropy_backward_op.register_fake
+def _(grad_loss, logits, target, weight, lse, constants, ignore_index, reduction, label_smoothing,
+      lse_square_scale, softcap):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _op_setup_context(ctx, inputs, output):
+    logits, target, weight, *options, _ = inputs
+    ctx.save_for_backward(logits, target, weight, output[2], output[3])
+    ctx.options = options
+
+
+def _op_backward(ctx, grad_loss, grad_z_loss, grad_lse, grad_constants):
+    logits, target, weight, lse, constants = ctx.saved_tensors
+    dlogits = _cross_entropy_backward_op(grad_loss, logits, target, weight, lse, constants, *ctx.options)
+    return dlogits, None, None, None, None, None, None, None, None
+
+
+_cross_entropy_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+class _EagerCrossEntropy(torch.autograd.Function):
+    """The eager path (no dispatcher round trips; see rms_norm.py), with the gradient written during the
+    forward for reductions mean and sum (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, opts, return_z_loss, needs_grad, inplace):
+        grad_in_forward = needs_grad and opts.reduction != "none"
+        loss, z_loss, lse, constants, dlogits = _forward(logits, target, weight, opts, return_z_loss,
+                                                         grad_in_forward, inplace)
+        ctx.opts, ctx.logits_shape, ctx.grad_in_forward = opts, logits.shape, grad_in_forward
+        ctx.dlogits = dlogits
+        if dlogits is not None and dlogits.data_ptr() == logits.data_ptr():
+            # The caller's logits now hold the gradient: make autograd's saved-tensor checks see the write.
+            torch.autograd.graph.increment_version(logits)
+        if needs_grad and not grad_in_forward:
+            ctx.save_for_backward(logits, target, weight, lse, constants)
+        if z_loss is not None:
+            ctx.mark_non_differentiable(z_loss)
+        return loss, z_loss
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z_loss):
+        if ctx.grad_in_forward:
+            dlogits, ctx.dlogits = ctx.dlogits, None
+            if dlogits is None:
+                raise RuntimeError("cross_entropy: backward ran twice through the same graph; its gradient was "
+                                   "computed in the forward and consumed by the first backward")
+            scale_(dlogits, grad_loss)
+            dlogits = dlogits.view(ctx.logits_shape)
+        else:
+            logits, target, weight, lse, constants = ctx.saved_tensors
+            dlogits = _backward(grad_loss, logits, target, weight, lse, constants, ctx.opts)
+        return dlogits, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public API.
+# ----------------------------------------------------------------------------------------------------------
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None, *,
+                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
+                  inplace_backward: bool = False):
+    """Cross-entropy of ``logits`` (``(..., vocab)``, classes last) against integer ``target`` (``(...)``).
+
+    Args:
+        logits: float32/float16/bfloat16, any strides (rows that cannot be viewed as one strided dimension
+            are copied).
+        target: int64 or int32 class indices; ``ignore_index`` marks tokens without a loss.
+        weight: optional ``(vocab,)`` class weights (not differentiated), as in ``F.cross_entropy``.
+        reduction: ``"mean"`` (over non-ignored tokens, or their targets' summed weights; 0 when all are
+            ignored), ``"sum"`` or ``"none"`` (fp32 losses of ``target``'s shape).
+        label_smoothing: in [0, 1], torch's definition.
+        lse_square_scale: z-loss coefficient: adds ``lse_square_scale * logsumexp(logits)**2`` per token.
+        softcap: if given, logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
+        return_z_loss: also return the z-loss part of the loss (reduced the same way, not differentiable).
+        inplace_backward: allow the gradient to overwrite ``logits`` (saves one logits-sized buffer; eager mode,
+            reductions mean/sum; ignored under ``torch.compile``).
+
+    Returns the fp32 loss, or ``(loss, z_loss)`` with ``return_z_loss``. Differentiable in ``logits``.
+    """
+    opts = _options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    if torch.compiler.is_compiling():
+        loss, z_loss, _, _ = _cross_entropy_op(logits, target, weight, *opts, return_z_loss)
+    else:
+        needs_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
+        loss, z_loss = _EagerCrossEntropy.apply(logits, target, weight, opts, return_z_loss, needs_grad,
+                                                bool(inplace_backward))
+    return (loss, z_loss) if return_z_loss else loss
