@@ -105,10 +105,14 @@ def _cross_entropy_kernel(
             running_max = new_max
         # Rows that are not counted read nothing: give them lse 0 rather than log(0), which keeps -inf and NaN
         # out of their (discarded) arithmetic.
-        lse = tl.where(running_max == float("-inf"), 0.0, running_max) + tl.log(tl.where(counted, running_sum, 1.0))
+        row_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+        log_sum = tl.log(tl.where(counted, running_sum, 1.0))
+        lse = row_max + log_sum
         x_y, _ = _soft_cap(tl.load(row_ptr + y_safe * logits_stride_col, mask=counted, other=0.0).to(tl.float32),
                            softcap, HAS_SOFTCAP)
-        ce = (1.0 - label_smoothing) * w_y * (lse - x_y)
+        # lse - x_y as (max - x_y) + log(sum): with logits of magnitude 1e4, max - x_y is exact and the small
+        # log(sum) is not rounded to the ulp of the max first.
+        ce = (1.0 - label_smoothing) * w_y * ((row_max - x_y) + log_sum)
         if HAS_SMOOTHING:
             ce += smoothing_per_class * (weight_sum * lse - tl.sum(weighted_sum, axis=0))
         z_loss = 0.0
