@@ -44,13 +44,24 @@ def _launch_hooks_active() -> bool:
 def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, num_warps: int) -> None:
     """``kernel[grid](*args, **constexprs, num_warps=num_warps)``, without Triton's per-call binding.
 
-    ``args`` are the runtime arguments in the kernel's parameter order (tensors, ints, floats) and
-    ``constexprs`` its ``tl.constexpr`` parameters, which must follow them in the signature.
+    ``args`` are the runtime arguments in the kernel's parameter order (tensors, ints, floats; the first one a
+    tensor) and ``constexprs`` its ``tl.constexpr`` parameters, which must follow them in the signature. The
+    kernel runs on the first tensor's device, whatever the current device is (Triton itself launches on the
+    current one, which breaks models split across GPUs in one process).
     """
     if os.environ.get("TRITON_INTERPRET") == "1" or _launch_hooks_active():
         kernel[grid](*args, **constexprs, num_warps=num_warps)
         return
-    device = torch.cuda.current_device()
+    device = args[0].get_device()
+    if device != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            _launch_on(device, kernel, grid, args, constexprs, num_warps)
+        return
+    _launch_on(device, kernel, grid, args, constexprs, num_warps)
+
+
+def _launch_on(device: int, kernel, grid, args, constexprs, num_warps) -> None:
+    """The launch, with ``device`` current."""
     key = (kernel, device, num_warps, tuple(constexprs.values()), tuple(_arg_key(a) for a in args))
     compiled = _compiled.get(key)
     if compiled is None:

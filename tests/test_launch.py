@@ -53,3 +53,16 @@ def test_constexprs_must_follow_runtime_arguments(fk):
     partial, out = torch.zeros(4, 4, device="cuda"), torch.zeros(4, device="cuda")
     with pytest.raises(ValueError, match="runtime arguments in order"):
         launch.launch(kernel, (1,), (partial, out, 4, 4), {"BLOCK_COLS": 32, "BLOCK_ROWS": 16}, 4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_launches_on_the_tensors_device(fk):
+    """A kernel runs on its tensors' GPU even when another GPU is current (a model split across GPUs)."""
+    launch = fk._kernels._launch
+    kernel = fk._kernels.rms_norm._column_sum_kernel
+    partial = torch.randn(37, 45, device="cuda:1")
+    for _ in range(2):  # the first launch compiles through Triton, the second uses the cache
+        out = torch.full((45,), float("nan"), device="cuda:1")
+        with torch.cuda.device(0):
+            launch.launch(kernel, (2,), (partial, out, 37, 45), {"BLOCK_ROWS": 16, "BLOCK_COLS": 32}, 4)
+        torch.testing.assert_close(out, partial.double().sum(0).float(), rtol=1e-5, atol=1e-5)
