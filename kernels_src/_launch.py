@@ -8,7 +8,7 @@ each compiled kernel under its own *specialisation key* and calls the compiled k
 
 The key holds exactly what Triton specialises a kernel on: for each tensor its dtype and whether its address
 is 16-byte aligned; for each integer whether it is 1, whether it is divisible by 16 and whether it fits in
-int32; the constexpr values, ``num_warps``, and the device. Two calls with equal keys therefore select the
+int32; the constexpr values, ``num_warps``, ``num_stages`` and the device. Two calls with equal keys therefore select the
 same compiled kernel that ``kernel[grid](...)`` would (``tests/test_launch.py`` checks this against
 Triton's own binder on the GPU). The first call with a new key goes through ``kernel[grid](...)``, which
 compiles (or loads from Triton's cache) and launches; so does every call under the CPU interpreter, and
@@ -41,34 +41,37 @@ def _launch_hooks_active() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, num_warps: int) -> None:
-    """``kernel[grid](*args, **constexprs, num_warps=num_warps)``, without Triton's per-call binding.
+def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, num_warps: int,
+           num_stages: int | None = None) -> None:
+    """``kernel[grid](*args, **constexprs, num_warps=num_warps[, num_stages=num_stages])``, without Triton's
+    per-call binding (``num_stages`` None: Triton's default software pipelining depth).
 
     ``args`` are the runtime arguments in the kernel's parameter order (tensors, ints, floats; the first one a
     tensor) and ``constexprs`` its ``tl.constexpr`` parameters, which must follow them in the signature. The
     kernel runs on the first tensor's device, whatever the current device is (Triton itself launches on the
     current one, which breaks models split across GPUs in one process).
     """
+    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
     if os.environ.get("TRITON_INTERPRET") == "1" or _launch_hooks_active():
-        kernel[grid](*args, **constexprs, num_warps=num_warps)
+        kernel[grid](*args, **constexprs, **options)
         return
     device = args[0].get_device()
     if device != torch.cuda.current_device():
         with torch.cuda.device(device):
-            _launch_on(device, kernel, grid, args, constexprs, num_warps)
+            _launch_on(device, kernel, grid, args, constexprs, options)
         return
-    _launch_on(device, kernel, grid, args, constexprs, num_warps)
+    _launch_on(device, kernel, grid, args, constexprs, options)
 
 
-def _launch_on(device: int, kernel, grid, args, constexprs, num_warps) -> None:
+def _launch_on(device: int, kernel, grid, args, constexprs, options) -> None:
     """The launch, with ``device`` current."""
-    key = (kernel, device, num_warps, tuple(constexprs.values()), tuple(_arg_key(a) for a in args))
+    key = (kernel, device, tuple(options.values()), tuple(constexprs.values()), tuple(_arg_key(a) for a in args))
     compiled = _compiled.get(key)
     if compiled is None:
         if kernel.arg_names[len(args):] != list(constexprs):
             raise ValueError(f"launch: {kernel.__name__} takes {kernel.arg_names}; pass its runtime arguments in "
                              "order, then every constexpr in order")
-        _compiled[key] = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        _compiled[key] = kernel[grid](*args, **constexprs, **options)
         return
     grid_x, grid_y, grid_z = (tuple(grid) + (1, 1))[:3]
     # The raw-stream getter Triton itself uses: torch.cuda.current_stream() builds a Stream object (~5 us).

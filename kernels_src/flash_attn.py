@@ -470,16 +470,18 @@ def _dropout_args(dropout_p):
 
 
 def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k, n_batch, seqlen_q, seqlen_k,
-                       scale, softcap, window, dropout_p, *, block_m, block_n, num_warps):
+                       scale, softcap, window, dropout_p, *, tile):
     """Write ``out`` (like q) and ``lse`` (fp32; dense ``(b, h, s_q)`` or varlen ``(h, total_q)``).
 
     q/k/v/out are 4-D ``(batch, seq, heads, head_dim)``; varlen tensors are ``(1, total, heads, head_dim)`` with
     ``cu_seqlens_*`` given and ``seqlen_*`` the maximum lengths. ``window`` is ``(left, right)`` normalised by
     the caller (no -1; causal folded into right). ``seed`` is a 1-element int64 tensor (used with dropout).
+    ``tile`` is the launch configuration: ``block_m``, ``block_n``, ``num_warps`` and optionally ``num_stages``.
     """
     varlen = cu_seqlens_q is not None
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     threshold, keep_scale = _dropout_args(dropout_p)
+    block_m, block_n = tile["block_m"], tile["block_n"]
     launch(
         _fwd_kernel, (triton.cdiv(seqlen_q, block_m), n_batch * n_heads),
         (q, k, v, out, lse, sink if sink is not None else lse, cu_seqlens_q if varlen else lse,
@@ -489,44 +491,48 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
          *_lse_strides(lse, varlen)),
         dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_SINK=sink is not None, HAS_DROPOUT=dropout_p > 0,
              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim)),
-        num_warps)
+        tile["num_warps"], tile.get("num_stages"))
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, dsink_rows, cu_seqlens_q,
-                        cu_seqlens_k, n_batch, seqlen_q, seqlen_k, scale, softcap, window, dropout_p, *,
-                        block_m, block_n, num_warps):
+                        cu_seqlens_k, n_batch, seqlen_q, seqlen_k, scale, softcap, window, dropout_p, *, dkdv_tile,
+                        dq_tile):
     """Write dq, dk, dv and, with a sink, ``dsink_rows`` (per-row terms; their sum per head is d sink).
 
     Arguments as in ``flash_attn_forward``; ``delta`` is an fp32 scratch tensor shaped like ``lse``, and
-    ``dsink_rows`` a zeroed fp32 tensor shaped like ``lse``."""
+    ``dsink_rows`` a zeroed fp32 tensor shaped like ``lse``. The dK/dV and dQ passes have their own launch
+    configurations (``dkdv_tile``, ``dq_tile``): one holds a key tile and streams query tiles, the other the
+    reverse, so they favour opposite tile shapes."""
     varlen = cu_seqlens_q is not None
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     block_d = _block_d(head_dim)
     threshold, keep_scale = _dropout_args(dropout_p)
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
     lse_strides = _lse_strides(lse, varlen)
+    rows_per_program = dq_tile["block_m"]
     launch(
-        _bwd_preprocess_kernel, (triton.cdiv(seqlen_q, block_m), n_batch * n_heads),
+        _bwd_preprocess_kernel, (triton.cdiv(seqlen_q, rows_per_program), n_batch * n_heads),
         (out, dout, lse, delta, sink if sink is not None else lse, dsink_rows if dsink_rows is not None else lse,
          cu_q, seqlen_q, n_heads, head_dim, *_strides3(out, varlen), *_strides3(dout, varlen), *lse_strides),
-        dict(IS_VARLEN=varlen, HAS_SINK=sink is not None, BLOCK_M=block_m, BLOCK_D=block_d),
-        num_warps)
+        dict(IS_VARLEN=varlen, HAS_SINK=sink is not None, BLOCK_M=rows_per_program, BLOCK_D=block_d),
+        dq_tile["num_warps"])
     shared = (scale, softcap, window[0], window[1], seed, threshold, keep_scale)
-    constexprs = dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=dropout_p > 0,
-                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
+    flags = dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=dropout_p > 0)
     launch(
-        _bwd_dkdv_kernel, (triton.cdiv(seqlen_k, block_n), n_batch * n_kv_heads),
+        _bwd_dkdv_kernel, (triton.cdiv(seqlen_k, dkdv_tile["block_n"]), n_batch * n_kv_heads),
         (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_kv_heads,
          n_heads // n_kv_heads, head_dim, *shared,
          *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
          *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides),
-        constexprs, num_warps)
+        dict(**flags, BLOCK_M=dkdv_tile["block_m"], BLOCK_N=dkdv_tile["block_n"], BLOCK_D=block_d),
+        dkdv_tile["num_warps"], dkdv_tile.get("num_stages"))
     launch(
-        _bwd_dq_kernel, (triton.cdiv(seqlen_q, block_m), n_batch * n_heads),
+        _bwd_dq_kernel, (triton.cdiv(seqlen_q, dq_tile["block_m"]), n_batch * n_heads),
         (q, k, v, dout, lse, delta, dq, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim,
          *shared, *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
          *_strides3(dq, varlen), *lse_strides),
-        constexprs, num_warps)
+        dict(**flags, BLOCK_M=dq_tile["block_m"], BLOCK_N=dq_tile["block_n"], BLOCK_D=block_d),
+        dq_tile["num_warps"], dq_tile.get("num_stages"))
 
 
 def dropout_keep_mask(mask, seed, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, dropout_p, *, block_m=32,

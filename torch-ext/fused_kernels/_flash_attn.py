@@ -202,11 +202,10 @@ def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     n_batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     seqlen_q = max_seqlen_q if varlen else q.shape[1]
     seqlen_k = max_seqlen_k if varlen else k.shape[1]
-    config = pick(_CONFIG_FAMILY, "forward", q.device, q.shape[-1])
     _triton_flash_attn.flash_attn_forward(
         _as_4d(q, varlen), _as_4d(k, varlen), _as_4d(v, varlen), _as_4d(out, varlen), lse, s_aux, seed,
         cu_seqlens_q, cu_seqlens_k, n_batch, seqlen_q, seqlen_k, float(softmax_scale), float(softcap), window,
-        float(dropout_p), block_m=config["block_m"], block_n=config["block_n"], num_warps=config["num_warps"])
+        float(dropout_p), tile=pick(_CONFIG_FAMILY, "forward", q.device, q.shape[-1]))
     return out, lse, seed
 
 
@@ -227,13 +226,13 @@ def _backward_impl(dout, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, ma
         n_batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
         seqlen_q = max_seqlen_q if varlen else q.shape[1]
         seqlen_k = max_seqlen_k if varlen else k.shape[1]
-        config = pick(_CONFIG_FAMILY, "backward", q.device, q.shape[-1])
         delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)
         _triton_flash_attn.flash_attn_backward(
             _as_4d(dout, varlen), _as_4d(q, varlen), _as_4d(k, varlen), _as_4d(v, varlen), _as_4d(out, varlen), lse,
             s_aux, seed, _as_4d(dq, varlen), _as_4d(dk, varlen), _as_4d(dv, varlen), delta, dsink_rows,
             cu_seqlens_q, cu_seqlens_k, n_batch, seqlen_q, seqlen_k, float(softmax_scale), float(softcap), window,
-            float(dropout_p), block_m=config["block_m"], block_n=config["block_n"], num_warps=config["num_warps"])
+            float(dropout_p), dkdv_tile=pick(_CONFIG_FAMILY, "backward_dkdv", q.device, q.shape[-1]),
+            dq_tile=pick(_CONFIG_FAMILY, "backward_dq", q.device, q.shape[-1]))
     elif not varlen:
         dq.zero_(), dk.zero_(), dv.zero_()
     dsink = None

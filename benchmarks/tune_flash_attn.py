@@ -1,0 +1,109 @@
+"""Tune the flash-attention launch tables for the GPU this runs on and write them into ``configs/flash_attn.json``.
+
+Per head dim (64, 128, 256; rows ``max_cols`` of the table are head dims), on b=4, s=4096, 2048 / head_dim
+heads, causal, bf16 (the shape class of h200-baselines.md): the forward's tile is the candidate with the fastest
+forward; then the backward's two passes by coordinate descent: the dK/dV tile with the dQ tile fixed at the
+current table's, then the dQ tile with the best dK/dV one. Candidates that do not fit (shared memory, registers)
+fail to launch and are skipped. The result is data: the package reads it at run time and never autotunes.
+
+    python benchmarks/tune_flash_attn.py --build <variants dir> [--write torch-ext/fused_kernels/configs/flash_attn.json]
+                                         [--head-dims 128]
+
+Each candidate compiles once (seconds): a head dim takes a few minutes, so ``--head-dims`` tunes a subset (the
+table's rows for the others keep the current values).
+"""
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+HEAD_DIMS = (64, 128, 256)
+BLOCK_M = (64, 128)
+BLOCK_N = (32, 64, 128)
+WARPS = (4, 8)
+STAGES = (2, 3)
+
+
+def candidates():
+    for block_m, block_n, warps, stages in itertools.product(BLOCK_M, BLOCK_N, WARPS, STAGES):
+        yield {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+
+
+def fastest(label, timed):
+    """The candidate with the lowest time; ``timed(config)`` returns milliseconds or raises if it cannot run."""
+    best = None
+    for config in candidates():
+        try:
+            ms = timed(config)
+        except Exception as error:  # noqa: BLE001 - out of resources and the like: not a candidate
+            print(f"  {label} {config}: skipped ({type(error).__name__})", flush=True)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, config)
+    print(f"{label}: {best[1]} {best[0] * 1e3:.1f} us", flush=True)
+    return best[1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", type=Path, required=True, help="directory of built variants")
+    parser.add_argument("--write", type=Path, help="config file to update (the device's entries only)")
+    parser.add_argument("--head-dims", type=int, nargs="+", choices=HEAD_DIMS, default=HEAD_DIMS)
+    args = parser.parse_args()
+    import kernels
+
+    fk = kernels.get_local_kernel(args.build)
+    attn = fk._kernels.flash_attn
+    config_file = args.write or Path(__file__).resolve().parent.parent / "torch-ext/fused_kernels/configs/flash_attn.json"
+    table = json.loads(config_file.read_text())
+    device_name = torch.cuda.get_device_name()
+    # Start from the device's rows (or the defaults) so that head dims not tuned now keep theirs.
+    tuned = {kernel: {entry["max_cols"]: entry for entry in table[kernel].get(device_name, table[kernel]["default"])}
+             for kernel in ("forward", "backward_dkdv", "backward_dq")}
+    for head_dim in args.head_dims:
+        batch, seq, heads = 4, 4096, 2048 // head_dim
+        q, k, v, out, dout = (torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                              for _ in range(5))
+        lse = torch.empty(batch, heads, seq, device="cuda")
+        seed = torch.zeros(1, device="cuda", dtype=torch.int64)
+        common = (None, None, batch, seq, seq, head_dim ** -0.5, 0.0, (1 << 30, 0), 0.0)
+
+        def forward(tile):
+            run = lambda: attn.flash_attn_forward(q, k, v, out, lse, None, seed, *common, tile=tile)  # noqa: E731
+            run()
+            return do_bench(run, warmup=10, rep=50)
+
+        forward_tile = fastest(f"d={head_dim} forward", forward)
+        attn.flash_attn_forward(q, k, v, out, lse, None, seed, *common, tile=forward_tile)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = torch.empty_like(lse)
+
+        def backward(dkdv_tile, dq_tile):
+            run = lambda: attn.flash_attn_backward(  # noqa: E731
+                dout, q, k, v, out, lse, None, seed, dq, dk, dv, delta, None, *common, dkdv_tile=dkdv_tile,
+                dq_tile=dq_tile)
+            run()
+            return do_bench(run, warmup=10, rep=50)
+
+        row = None if head_dim == HEAD_DIMS[-1] else head_dim
+        current = {key: value for key, value in tuned["backward_dq"][row].items() if key != "max_cols"}
+        dkdv_tile = fastest(f"d={head_dim} backward dK/dV", lambda tile: backward(tile, current))
+        dq_tile = fastest(f"d={head_dim} backward dQ", lambda tile: backward(dkdv_tile, tile))
+        for kernel, tile in (("forward", forward_tile), ("backward_dkdv", dkdv_tile), ("backward_dq", dq_tile)):
+            tuned[kernel][row] = {"max_cols": row, **tile}
+    for kernel, rows in tuned.items():
+        table[kernel][device_name] = sorted(rows.values(), key=lambda e: e["max_cols"] or float("inf"))
+    text = json.dumps(table, indent=2) + "\n"
+    if args.write:
+        args.write.write_text(text)
+        print(f"wrote {args.write}")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
