@@ -52,113 +52,116 @@ def _soft_cap(z, softcap, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _cross_entropy_kernel(
     logits_ptr, target_ptr, weight_ptr, constants_ptr, grad_out_ptr, loss_ptr, z_loss_ptr, lse_ptr, dlogits_ptr,
-    n_cols, logits_stride_row, logits_stride_col, dlogits_stride_row, grad_out_stride,
+    n_rows, n_cols, logits_stride_row, logits_stride_col, dlogits_stride_row, grad_out_stride,
     ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     MEAN: tl.constexpr, LOSS_PASS: tl.constexpr, STORE_Z_LOSS: tl.constexpr, GRAD_PASS: tl.constexpr,
     HAS_GRAD_OUT: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * logits_stride_row
-    y = tl.load(target_ptr + row).to(tl.int64)
-    ignored = y == ignore_index
-    in_range = (y >= 0) & (y < n_cols)
-    counted = in_range & (y != ignore_index)
-    y_safe = tl.where(counted, y, 0)
-    if HAS_WEIGHT:
-        w_y = tl.load(weight_ptr + y_safe).to(tl.float32)
-        if HAS_SMOOTHING:
-            weight_sum = tl.load(constants_ptr + 1)
-        else:
-            weight_sum = 0.0
-    else:
-        w_y = 1.0
-        weight_sum = n_cols * 1.0
-    r = 1.0
-    if MEAN:
-        denominator = tl.load(constants_ptr)
-        # D = 0 only when no row is counted: every loss and gradient is then 0 (or NaN) whatever r is.
-        r = 1.0 / tl.where(denominator != 0.0, denominator, 1.0)
-    smoothing_per_class = label_smoothing / n_cols
-    # Rows that are not counted read no logits: pass 1 does not run for them, pass 2 masks every load.
-    n_read = tl.where(counted, n_cols, 0)
-
-    if LOSS_PASS:
-        running_max = tl.full((), float("-inf"), tl.float32)
-        running_sum = tl.full((), 0.0, tl.float32)
-        weighted_sum = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
-        for start in range(0, n_read, BLOCK_COLS):
-            cols = start + tl.arange(0, BLOCK_COLS)
-            mask = cols < n_cols
-            z = tl.load(row_ptr + cols * logits_stride_col, mask=mask, other=0.0).to(tl.float32)
-            x, _ = _soft_cap(z, softcap, HAS_SOFTCAP)
-            if HAS_SMOOTHING:  # (lanes past the row end hold x = 0 here)
-                if HAS_WEIGHT:
-                    weighted_sum += tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) * x
-                else:
-                    weighted_sum += x
-            x = tl.where(mask, x, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            # While every logit so far is -inf, subtract 0 instead of -inf (exp(-inf - -inf) would be NaN).
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
-            running_max = new_max
-        # Rows that are not counted read nothing: give them lse 0 rather than log(0), which keeps -inf and NaN
-        # out of their (discarded) arithmetic.
-        row_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-        log_sum = tl.log(tl.where(counted, running_sum, 1.0))
-        lse = row_max + log_sum
-        x_y, _ = _soft_cap(tl.load(row_ptr + y_safe * logits_stride_col, mask=counted, other=0.0).to(tl.float32),
-                           softcap, HAS_SOFTCAP)
-        # lse - x_y as (max - x_y) + log(sum): with logits of magnitude 1e4, max - x_y is exact and the small
-        # log(sum) is not rounded to the ulp of the max first.
-        ce = (1.0 - label_smoothing) * w_y * ((row_max - x_y) + log_sum)
-        if HAS_SMOOTHING:
-            ce += smoothing_per_class * (weight_sum * lse - tl.sum(weighted_sum, axis=0))
-        z_loss = 0.0
-        if HAS_Z_LOSS:
-            z_loss = lse_square_scale * lse * lse
-        loss = tl.where(ignored, 0.0, tl.where(counted, r * (ce + z_loss), float("nan")))
-        tl.store(loss_ptr + row, loss)
-        if STORE_Z_LOSS:
-            tl.store(z_loss_ptr + row, tl.where(ignored, 0.0, tl.where(counted, r * z_loss, float("nan"))))
-        tl.store(lse_ptr + row, lse)
-    else:
-        lse = tl.load(lse_ptr + row)
-
-    if GRAD_PASS:
-        g = 1.0
-        if HAS_GRAD_OUT:
-            g = tl.load(grad_out_ptr + row * grad_out_stride).to(tl.float32)
-        scale = r * g
-        # The target's term is coef_y * (p - 1), computed as written: p - 1 is exact near p = 1, where a
-        # confident prediction's small gradient would otherwise be lost to cancellation.
-        coef_y = scale * (1.0 - label_smoothing) * w_y
-        # Smoothing and z-loss terms stay separate, so each cancels only against its own kind, as in autograd.
-        coef_s = scale * smoothing_per_class * weight_sum
-        coef_z = scale * 2.0 * lse_square_scale * lse
-        coef_c = scale * smoothing_per_class
-        # An out-of-range target poisons its row's gradient (see the module docstring).
-        coef_y = tl.where(ignored | counted, coef_y, float("nan"))
-        d_row_ptr = dlogits_ptr + row * dlogits_stride_row
-        for start in range(0, n_cols, BLOCK_COLS):
-            cols = start + tl.arange(0, BLOCK_COLS)
-            mask = cols < n_cols
-            z = tl.load(row_ptr + cols * logits_stride_col, mask=cols < n_read, other=0.0).to(tl.float32)
-            x, t = _soft_cap(z, softcap, HAS_SOFTCAP)
-            p = tl.exp(x - lse)
-            dx = coef_y * tl.where(cols == y, p - 1.0, p)
+    # Programs walk rows pid, pid + P, ...: with P below the number of rows, fewer rows are in flight at once, so
+    # the gradient pass re-reads a row the loss pass just read from L2 rather than from memory.
+    first_row = tl.program_id(0).to(tl.int64)
+    for row in range(first_row, n_rows, tl.num_programs(0)):
+        row_ptr = logits_ptr + row * logits_stride_row
+        y = tl.load(target_ptr + row).to(tl.int64)
+        ignored = y == ignore_index
+        in_range = (y >= 0) & (y < n_cols)
+        counted = in_range & (y != ignore_index)
+        y_safe = tl.where(counted, y, 0)
+        if HAS_WEIGHT:
+            w_y = tl.load(weight_ptr + y_safe).to(tl.float32)
             if HAS_SMOOTHING:
-                if HAS_WEIGHT:
-                    dx += coef_s * p - coef_c * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                else:
-                    dx += coef_s * p - coef_c
+                weight_sum = tl.load(constants_ptr + 1)
+            else:
+                weight_sum = 0.0
+        else:
+            w_y = 1.0
+            weight_sum = n_cols * 1.0
+        r = 1.0
+        if MEAN:
+            denominator = tl.load(constants_ptr)
+            # D = 0 only when no row is counted: every loss and gradient is then 0 (or NaN) whatever r is.
+            r = 1.0 / tl.where(denominator != 0.0, denominator, 1.0)
+        smoothing_per_class = label_smoothing / n_cols
+        # Rows that are not counted read no logits: pass 1 does not run for them, pass 2 masks every load.
+        n_read = tl.where(counted, n_cols, 0)
+
+        if LOSS_PASS:
+            running_max = tl.full((), float("-inf"), tl.float32)
+            running_sum = tl.full((), 0.0, tl.float32)
+            weighted_sum = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
+            for start in range(0, n_read, BLOCK_COLS):
+                cols = start + tl.arange(0, BLOCK_COLS)
+                mask = cols < n_cols
+                z = tl.load(row_ptr + cols * logits_stride_col, mask=mask, other=0.0).to(tl.float32)
+                x, _ = _soft_cap(z, softcap, HAS_SOFTCAP)
+                if HAS_SMOOTHING:  # (lanes past the row end hold x = 0 here)
+                    if HAS_WEIGHT:
+                        weighted_sum += tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) * x
+                    else:
+                        weighted_sum += x
+                x = tl.where(mask, x, float("-inf"))
+                new_max = tl.maximum(running_max, tl.max(x, axis=0))
+                # While every logit so far is -inf, subtract 0 instead of -inf (exp(-inf - -inf) would be NaN).
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+                running_max = new_max
+            # Rows that are not counted read nothing: give them lse 0 rather than log(0), which keeps -inf and NaN
+            # out of their (discarded) arithmetic.
+            row_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+            log_sum = tl.log(tl.where(counted, running_sum, 1.0))
+            lse = row_max + log_sum
+            x_y, _ = _soft_cap(tl.load(row_ptr + y_safe * logits_stride_col, mask=counted, other=0.0).to(tl.float32),
+                               softcap, HAS_SOFTCAP)
+            # lse - x_y as (max - x_y) + log(sum): with logits of magnitude 1e4, max - x_y is exact and the small
+            # log(sum) is not rounded to the ulp of the max first.
+            ce = (1.0 - label_smoothing) * w_y * ((row_max - x_y) + log_sum)
+            if HAS_SMOOTHING:
+                ce += smoothing_per_class * (weight_sum * lse - tl.sum(weighted_sum, axis=0))
+            z_loss = 0.0
             if HAS_Z_LOSS:
-                dx += coef_z * p
-            if HAS_SOFTCAP:
-                dx *= 1.0 - t * t
-            dx = tl.where(ignored, 0.0, dx)
-            tl.store(d_row_ptr + cols, dx.to(dlogits_ptr.dtype.element_ty), mask=mask)
+                z_loss = lse_square_scale * lse * lse
+            loss = tl.where(ignored, 0.0, tl.where(counted, r * (ce + z_loss), float("nan")))
+            tl.store(loss_ptr + row, loss)
+            if STORE_Z_LOSS:
+                tl.store(z_loss_ptr + row, tl.where(ignored, 0.0, tl.where(counted, r * z_loss, float("nan"))))
+            tl.store(lse_ptr + row, lse)
+        else:
+            lse = tl.load(lse_ptr + row)
+
+        if GRAD_PASS:
+            g = 1.0
+            if HAS_GRAD_OUT:
+                g = tl.load(grad_out_ptr + row * grad_out_stride).to(tl.float32)
+            scale = r * g
+            # The target's term is coef_y * (p - 1), computed as written: p - 1 is exact near p = 1, where a
+            # confident prediction's small gradient would otherwise be lost to cancellation.
+            coef_y = scale * (1.0 - label_smoothing) * w_y
+            # Smoothing and z-loss terms stay separate, so each cancels only against its own kind, as in autograd.
+            coef_s = scale * smoothing_per_class * weight_sum
+            coef_z = scale * 2.0 * lse_square_scale * lse
+            coef_c = scale * smoothing_per_class
+            # An out-of-range target poisons its row's gradient (see the module docstring).
+            coef_y = tl.where(ignored | counted, coef_y, float("nan"))
+            d_row_ptr = dlogits_ptr + row * dlogits_stride_row
+            for start in range(0, n_cols, BLOCK_COLS):
+                cols = start + tl.arange(0, BLOCK_COLS)
+                mask = cols < n_cols
+                z = tl.load(row_ptr + cols * logits_stride_col, mask=cols < n_read, other=0.0).to(tl.float32)
+                x, t = _soft_cap(z, softcap, HAS_SOFTCAP)
+                p = tl.exp(x - lse)
+                dx = coef_y * tl.where(cols == y, p - 1.0, p)
+                if HAS_SMOOTHING:
+                    if HAS_WEIGHT:
+                        dx += coef_s * p - coef_c * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                    else:
+                        dx += coef_s * p - coef_c
+                if HAS_Z_LOSS:
+                    dx += coef_z * p
+                if HAS_SOFTCAP:
+                    dx *= 1.0 - t * t
+                dx = tl.where(ignored, 0.0, dx)
+                tl.store(d_row_ptr + cols, dx.to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -209,24 +212,25 @@ def loss_constants(target, weight, constants, n_rows, n_cols, ignore_index, weig
 
 def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, lse, dlogits, grad_out, n_rows, n_cols,
                        ignore_index, label_smoothing, lse_square_scale, softcap, mean, *, loss_pass, grad_pass,
-                       block_cols, num_warps):
+                       block_cols, num_warps, num_programs=None):
     """Launch the row kernel over ``n_rows`` rows of the 2-D ``logits`` (any strides).
 
     ``loss``/``lse`` (fp32, ``(n_rows,)``) are written when ``loss_pass``; ``lse`` is read otherwise. ``z_loss``
     (may be None) receives the z-loss part of each row's loss. ``dlogits`` (2-D, unit column stride; may be
     ``logits`` itself) receives the gradient when ``grad_pass``, scaled by ``grad_out`` when given (one value
-    per row, or a single value). ``softcap`` is None or > 0.
+    per row, or a single value). ``softcap`` is None or > 0. ``num_programs`` caps the grid (each program then
+    walks several rows); None runs one program per row.
     """
     if grad_out is not None:
         grad_out_stride = 0 if grad_out.numel() == 1 else 1
     else:
         grad_out_stride = 0
     launch(
-        _cross_entropy_kernel, (n_rows,),
+        _cross_entropy_kernel, (n_rows if num_programs is None else max(1, min(n_rows, num_programs)),),
         (logits, target, weight if weight is not None else constants, constants,
          grad_out if grad_out is not None else constants, loss if loss is not None else constants,
          z_loss if z_loss is not None else constants, lse, dlogits if dlogits is not None else logits,
-         n_cols, logits.stride(0), logits.stride(1), dlogits.stride(0) if dlogits is not None else 0,
+         n_rows, n_cols, logits.stride(0), logits.stride(1), dlogits.stride(0) if dlogits is not None else 0,
          grad_out_stride, ignore_index, float(label_smoothing), float(lse_square_scale),
          float(softcap) if softcap is not None else 1.0),
         dict(HAS_WEIGHT=weight is not None, HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=lse_square_scale > 0,
