@@ -56,11 +56,13 @@ def _tile_ptrs(ptr, batch, head, stride_b, stride_s, stride_h, seq_start, positi
 
 
 @triton.jit
-def _visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right):
-    """Which (query row, key column) pairs attend to each other (bounds, causality and window)."""
-    shifted = rows[:, None] + (seqlen_k - seqlen_q)
-    return ((rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
-            & (cols[None, :] >= shifted - window_left) & (cols[None, :] <= shifted + window_right))
+def _visible(queries, keys, seqlen_q, seqlen_k, window_left, window_right):
+    """Which (query, key) pairs attend to each other (bounds, causality and window). ``queries`` and ``keys`` are
+    index tensors broadcast against each other: ``rows[:, None], cols[None, :]`` for a (query, key) tile, the
+    other way round for a transposed one."""
+    shifted = queries + (seqlen_k - seqlen_q)
+    return ((queries < seqlen_q) & (keys < seqlen_k) & (keys >= shifted - window_left)
+            & (keys <= shifted + window_right))
 
 
 @triton.jit
@@ -84,15 +86,15 @@ def _through_softcap(ds, s, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold):
-    """Keep mask of the (rows, cols) tile: Philox of the element's position, kept when >= p * 2**32.
+def _dropout_keep(seed_ptr, batch_head, queries, keys, drop_threshold):
+    """Keep mask of a tile: Philox of each element's position, kept when >= p * 2**32. ``queries`` and ``keys``
+    are index tensors broadcast against each other, as in ``_visible``.
 
     The seed is read from device memory (drawn there by the caller), so no host value bakes into a CUDA graph."""
     seed = tl.load(seed_ptr)
-    zero = tl.zeros((rows.shape[0], cols.shape[0]), dtype=tl.uint32)
-    key_index = zero + cols[None, :].to(tl.uint32)
-    query_index = zero + rows[:, None].to(tl.uint32)
-    bits, _, _, _ = tl.philox(seed, key_index, query_index, zero + batch_head.to(tl.uint32), zero)
+    zero = (queries + keys).to(tl.uint32) * 0
+    bits, _, _, _ = tl.philox(seed, zero + keys.to(tl.uint32), zero + queries.to(tl.uint32),
+                              zero + batch_head.to(tl.uint32), zero)
     return bits.to(tl.int64) >= drop_threshold
 
 
@@ -131,7 +133,8 @@ def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batc
                 mask=col_mask, other=0.0)
     s = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
     if MASKED:
-        s = tl.where(_visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right), s, float("-inf"))
+        s = tl.where(_visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right), s,
+                     float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_ref = m_new
     if MASKED:
@@ -141,7 +144,8 @@ def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batc
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if HAS_DROPOUT:
-        p = tl.where(_dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold), p * keep_scale, 0.0)
+        p = tl.where(_dropout_keep(seed_ptr, batch_head, rows[:, None], cols[None, :], drop_threshold),
+                     p * keep_scale, 0.0)
     v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
                 mask=col_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -248,7 +252,7 @@ def _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softca
     s = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
     p = tl.exp2(s - lse_log2[:, None])
     if MASKED:
-        p = tl.where(_visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right), p, 0.0)
+        p = tl.where(_visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right), p, 0.0)
     return p, s
 
 
@@ -257,30 +261,37 @@ def _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delt
                seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr, drop_threshold,
                keep_scale, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
                HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One query tile's contribution to dK and dV of the key tile (k, v)."""
+    """One query tile's contribution to dK and dV of the key tile (k, v).
+
+    Computed transposed, as (keys, queries) tiles: P^T = exp(K Q^T - lse) and dS^T are then the left operands
+    of dV += P^T dO and dK += dS^T Q as they come out of the arithmetic, instead of register tiles that would
+    have to be transposed first; only the loaded Q and dO tiles are read transposed."""
     rows = row_start + tl.arange(0, BLOCK_M)
     if MASKED:
-        row_mask = (rows < seqlen_q)[:, None] & (dims < head_dim)[None, :]
+        mask_t = (dims < head_dim)[:, None] & (rows < seqlen_q)[None, :]
     else:
-        row_mask = (dims < head_dim)[None, :]
-    q = tl.load(_tile_ptrs(q_ptr, batch, head, stride_qb, stride_qs, stride_qh, q_start, rows, dims),
-                mask=row_mask, other=0.0)
-    do = tl.load(_tile_ptrs(do_ptr, batch, head, stride_dob, stride_dos, stride_doh, q_start, rows, dims),
-                 mask=row_mask, other=0.0)
+        mask_t = (dims < head_dim)[:, None]
+    q_t = tl.load(tl.trans(_tile_ptrs(q_ptr, batch, head, stride_qb, stride_qs, stride_qh, q_start, rows, dims)),
+                  mask=mask_t, other=0.0)
+    do_t = tl.load(tl.trans(_tile_ptrs(do_ptr, batch, head, stride_dob, stride_dos, stride_doh, q_start, rows,
+                                       dims)), mask=mask_t, other=0.0)
     row_offsets = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start + rows
     lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seqlen_q, other=float("inf")) * LOG2E
     delta = tl.load(delta_ptr + row_offsets, mask=rows < seqlen_q, other=0.0)
-    p, s = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
-                          window_right, HAS_SOFTCAP, MASKED)
-    dp = tl.dot(do, tl.trans(v))
-    p_used = p
+    s_t = _scores_log2(tl.dot(k, q_t), scale, softcap, HAS_SOFTCAP)
+    p_t = tl.exp2(s_t - lse_log2[None, :])
+    if MASKED:
+        p_t = tl.where(_visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right), p_t,
+                       0.0)
+    dp_t = tl.dot(v, do_t)
+    p_used = p_t
     if HAS_DROPOUT:
-        keep = _dropout_keep(seed_ptr, batch * n_heads + head, rows, cols, drop_threshold)
-        p_used = tl.where(keep, p * keep_scale, 0.0)
-        dp = tl.where(keep, dp * keep_scale, 0.0)
-    dv += tl.dot(tl.trans(p_used.to(do.dtype)), do)
-    ds = _through_softcap(p * (dp - delta[:, None]), s, softcap, HAS_SOFTCAP)
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        keep = _dropout_keep(seed_ptr, batch * n_heads + head, rows[None, :], cols[:, None], drop_threshold)
+        p_used = tl.where(keep, p_t * keep_scale, 0.0)
+        dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
+    dv += tl.dot(p_used.to(do_t.dtype), tl.trans(do_t))
+    ds_t = _through_softcap(p_t * (dp_t - delta[None, :]), s_t, softcap, HAS_SOFTCAP)
+    dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t))
     return dk, dv
 
 
@@ -303,7 +314,8 @@ def _dq_tile(dq, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, ba
                           window_right, HAS_SOFTCAP, MASKED)
     dp = tl.dot(do, tl.trans(v))
     if HAS_DROPOUT:
-        dp = tl.where(_dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold), dp * keep_scale, 0.0)
+        dp = tl.where(_dropout_keep(seed_ptr, batch_head, rows[:, None], cols[None, :], drop_threshold),
+                      dp * keep_scale, 0.0)
     ds = _through_softcap(p * (dp - delta[:, None]), s, softcap, HAS_SOFTCAP)
     return dq + tl.dot(ds.to(k.dtype), k)
 
@@ -437,7 +449,7 @@ def _dropout_mask_kernel(mask_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, fixed_seq
     base = mask_ptr + batch_head.to(tl.int64) * max_seqlen_q * max_seqlen_k
     for col_start in range(0, max_seqlen_k, BLOCK_N):
         cols = col_start + tl.arange(0, BLOCK_N)
-        keep = _dropout_keep(seed_ptr, batch_head, rows, cols, drop_threshold)
+        keep = _dropout_keep(seed_ptr, batch_head, rows[:, None], cols[None, :], drop_threshold)
         inside = (rows < seqlen_q)[:, None] & (cols < seqlen_k)[None, :]
         tl.store(base + rows.to(tl.int64)[:, None] * max_seqlen_k + cols[None, :], keep & inside,
                  mask=(rows < max_seqlen_q)[:, None] & (cols < max_seqlen_k)[None, :])
