@@ -23,7 +23,7 @@ from hub_helpers import HubServer, hub_api, hub_env, run_client, running_hub, us
 from publish_helpers import (
     REPO_ID, package_all, publish, release_build, release_commits, release_source, releases_toml, tool,
 )
-from tooling_helpers import git, make_snapshot, rehash, run_tool
+from tooling_helpers import REPO_ROOT, git, make_snapshot, rehash, run_tool
 
 from huggingface_hub.errors import RepositoryNotFoundError
 
@@ -499,3 +499,23 @@ def test_demo_fails_on_an_exported_function_without_a_check(hub, tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "exported functions without a check in demo.CHECKS: ['unchecked']" in proc.stdout
     assert "unchecked            -         NO CHECK" in proc.stdout
+
+
+def test_release_build_and_publish_carry_the_benchmark_scripts(hub, env, source, tmp_path):
+    """This repository's `benchmarks/benchmark_*.py` (the `kernels benchmark` scripts) go, as kernel-builder puts
+    them, beside the variants in `release build`'s output and onto the version branch."""
+    with_benchmarks = tmp_path / "src"
+    shutil.copytree(source, with_benchmarks)
+    scripts = sorted((REPO_ROOT / "benchmarks").glob("benchmark_*.py"))
+    (with_benchmarks / "benchmarks").mkdir()
+    for script in scripts:
+        shutil.copyfile(script, with_benchmarks / "benchmarks" / script.name)
+    git(with_benchmarks, "add", "-A")
+    git(with_benchmarks, "commit", "-q", "-m", "benchmark scripts")
+    out = tmp_path / "dist"
+    run_tool("release", "build", "--source", str(with_benchmarks), "--out", str(out), "--only", "torch-cpu")
+    assert sorted(p.name for p in (out / "v2" / "benchmarks").iterdir()) == [p.name for p in scripts]
+
+    publish(out / "v2", with_benchmarks, env)
+    published = {p for p in files(hub, "v2") if p.startswith("benchmarks/")}
+    assert published == {f"benchmarks/{p.name}" for p in scripts}
