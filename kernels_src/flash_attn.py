@@ -8,7 +8,9 @@ views transformers passes are read in place; only the head dimension must be con
 Masking. Query row i of a sequence sees key j iff ``i + d - left <= j <= i + d + right`` with
 ``d = seq_k - seq_q`` (FlashAttention-2's bottom-right alignment); the launcher turns ``causal`` into
 ``right = 0`` and an unlimited side into a large bound. A row that sees no key outputs 0 and gets
-``lse = +inf`` (so the backward's ``exp(s - lse)`` is 0 there, never NaN).
+``lse = +inf`` (so the backward's ``exp(s - lse)`` is 0 there, never NaN). Only tiles that straddle a
+boundary (the causal diagonal, a window edge, a sequence end) evaluate the mask: ``_partner_tiles`` splits every
+tile loop into masked edges and an unmasked middle.
 
 Scores. ``s = scale * q.k``, then ``softcap * tanh(s / softcap)`` when soft-capping. Softmax runs in base 2
 (``exp2``; scores are multiplied by log2(e) once) with the online rescaling of FlashAttention-2. An attention
