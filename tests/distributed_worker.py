@@ -85,7 +85,12 @@ def main():
         losses.append(global_loss.item() / world)
     if rank == 0:
         torch.save({"losses": losses, "grads": first_grads, "world": world}, args.out)
-    dist.destroy_process_group()
+    # Every rank leaves together, then skips the process-group and interpreter teardown: a gloo rank tearing
+    # down while its peer still exits was seen to hang for good (one in a few runs on the CPU machines).
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,17 +32,25 @@ def run_worker(tmp_path, build_dir, engine, processes, *extra):
     # --standalone: a rendezvous on a free local port, so parallel runs never collide.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
                str(WORKER), "--engine", engine, "--out", str(out), *extra]
-    # Its own process group, so that a run past the timeout is killed with all its ranks, not just torchrun.
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{engine} run timed out:\n{stdout[-3000:]}\n{stderr[-5000:]}")
+        _kill_run(out)
+        proc.kill()
+        pytest.fail(f"{engine} run timed out after 300 s")
     assert proc.returncode == 0, f"{engine} run failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
     return torch.load(out)
+
+
+def _kill_run(out):
+    """Kill torchrun and every rank of the run writing ``out`` (ranks are not in torchrun's process group)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(out).encode() in cmdline.read_bytes():
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
 
 
 @pytest.fixture(scope="module")
