@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
+from launch_tables import write_device_entries
+
 HEAD_DIMS = (64, 128, 256)
 BLOCK_M = (64, 128)
 BLOCK_N = (32, 64, 128)
@@ -95,14 +97,8 @@ def main():
         dq_tile = fastest(f"d={head_dim} backward dQ", lambda tile: backward(dkdv_tile, tile))
         for kernel, tile in (("forward", forward_tile), ("backward_dkdv", dkdv_tile), ("backward_dq", dq_tile)):
             tuned[kernel][row] = {"max_cols": row, **tile}
-    for kernel, rows in tuned.items():
-        table[kernel][device_name] = sorted(rows.values(), key=lambda e: e["max_cols"] or float("inf"))
-    text = json.dumps(table, indent=2) + "\n"
-    if args.write:
-        args.write.write_text(text)
-        print(f"wrote {args.write}")
-    else:
-        print(text)
+    write_device_entries(args.write, device_name, {
+        kernel: sorted(rows.values(), key=lambda e: e["max_cols"] or float("inf")) for kernel, rows in tuned.items()})
 
 
 if __name__ == "__main__":

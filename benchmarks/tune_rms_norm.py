@@ -8,12 +8,13 @@ The result is data: the package reads it at run time and never autotunes.
 """
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 import triton
 from triton.testing import do_bench
+
+from launch_tables import write_device_entries
 
 BUCKETS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 TARGET_ELEMENTS = 64 * 1024 * 1024
@@ -93,15 +94,8 @@ def main():
         print(f"H={n_cols:>6} T={n_rows:>7}  fwd {best['forward'][0] * 1e3:8.1f} us {best['forward'][1]}  "
               f"bwd {best['backward'][0] * 1e3:8.1f} us {best['backward'][1]}", flush=True)
 
-    table = json.loads(args.write.read_text()) if args.write and args.write.exists() else {}
-    for kernel in ("forward", "backward"):
-        table.setdefault(kernel, {})[device_name] = to_entries(results, kernel)
-    text = json.dumps(table, indent=2) + "\n"
-    if args.write:
-        args.write.write_text(text)
-        print(f"wrote {args.write}")
-    else:
-        print(text)
+    write_device_entries(args.write, device_name, {kernel: to_entries(results, kernel)
+                                                   for kernel in ("forward", "backward")})
 
 
 if __name__ == "__main__":

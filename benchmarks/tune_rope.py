@@ -11,11 +11,12 @@ package reads it at run time and never autotunes.
 
 import argparse
 import itertools
-import json
 from pathlib import Path
 
 import torch
 from triton.testing import do_bench
+
+from launch_tables import write_device_entries
 
 BATCH, SEQ, Q_HEADS, K_HEADS, HEAD_DIM = 4, 4096, 32, 8, 128
 BLOCK_S = (1, 2, 4, 8)
@@ -51,14 +52,7 @@ def main():
             best = (sum(times), config)
     print(f"best {best[1]}: forward + inverse {best[0] * 1e3:.1f} us")
 
-    path_table = json.loads(args.write.read_text()) if args.write and args.write.exists() else {}
-    path_table.setdefault("rope", {})[torch.cuda.get_device_name()] = [{"max_cols": None, **best[1]}]
-    text = json.dumps(path_table, indent=2) + "\n"
-    if args.write:
-        args.write.write_text(text)
-        print(f"wrote {args.write}")
-    else:
-        print(text)
+    write_device_entries(args.write, torch.cuda.get_device_name(), {"rope": [{"max_cols": None, **best[1]}]})
 
 
 if __name__ == "__main__":

@@ -12,12 +12,13 @@ three. The result is data: the package reads it at run time and never autotunes.
 """
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 import triton
 from triton.testing import do_bench
+
+from launch_tables import write_device_entries
 
 BUCKETS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 TARGET_ELEMENTS = 64 * 1024 * 1024
@@ -87,15 +88,8 @@ def main():
               f"{best['forward'][1]}  bwd {best['backward'][0] * 1e3:8.1f} us {gbps['backward']:5.0f} GB/s "
               f"{best['backward'][1]}", flush=True)
 
-    table = json.loads(args.write.read_text()) if args.write and args.write.exists() else {}
-    for kernel in ("forward", "backward"):
-        table.setdefault(kernel, {})[device_name] = to_entries(results, kernel)
-    text = json.dumps(table, indent=2) + "\n"
-    if args.write:
-        args.write.write_text(text)
-        print(f"wrote {args.write}")
-    else:
-        print(text)
+    write_device_entries(args.write, device_name, {kernel: to_entries(results, kernel)
+                                                   for kernel in ("forward", "backward")})
 
 
 if __name__ == "__main__":
