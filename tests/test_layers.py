@@ -12,6 +12,7 @@ from kernels import KernelizeFallback, LocalLayerRepository, Mode, kernelize, us
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import DEVICE, ON_GPU
+from model_helpers import VARIANTS, assert_same_step, loss_and_grads, variant_paths
 
 
 def tiny_llama(dtype):
@@ -28,20 +29,7 @@ def tiny_llama(dtype):
     return model
 
 
-def loss_and_grads(model, input_ids):
-    model.zero_grad()
-    out = model(input_ids=input_ids, labels=input_ids)
-    out.loss.backward()
-    return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def variant_paths(build_dir):
-    if ON_GPU:
-        return {"selected": build_dir}
-    return {"torch-cpu": build_dir / "torch-cpu", "torch-cuda (interpreter)": build_dir / "torch-cuda"}
-
-
-@pytest.mark.parametrize("variant", ["selected"] if ON_GPU else ["torch-cpu", "torch-cuda (interpreter)"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_kernelize_tiny_llama_matches_unpatched(build_dir, variant):
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     reference = tiny_llama(dtype).train()
@@ -58,10 +46,7 @@ def test_kernelize_tiny_llama_matches_unpatched(build_dir, variant):
     input_ids = torch.randint(0, 128, (2, 16), device=DEVICE)
     ref_logits, ref_grads = loss_and_grads(reference, input_ids)
     logits, grads = loss_and_grads(patched, input_ids)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(logits, ref_logits, **tol)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, **tol, msg=lambda m: f"{name}: {m}")
+    assert_same_step(logits, grads, ref_logits, ref_grads, dtype)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="transformers' KernelConfig supports only accelerator devices (not cpu)")
@@ -101,7 +86,7 @@ def restore_llama_rotary():
     vars(modeling_llama.apply_rotary_pos_emb).pop("forward", None)
 
 
-@pytest.mark.parametrize("variant", ["selected"] if ON_GPU else ["torch-cpu", "torch-cuda (interpreter)"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_kernelize_rotary_pos_emb_matches_unpatched(build_dir, variant, restore_llama_rotary):
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     reference = tiny_llama(dtype).train()
@@ -120,10 +105,7 @@ def test_kernelize_rotary_pos_emb_matches_unpatched(build_dir, variant, restore_
                if type(m).__name__ == "LlamaAttention")
 
     logits, grads = loss_and_grads(patched, input_ids)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(logits, ref_logits, **tol)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, **tol, msg=lambda m: f"{name}: {m}")
+    assert_same_step(logits, grads, ref_logits, ref_grads, dtype)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="transformers' KernelConfig supports only accelerator devices (not cpu)")

@@ -17,6 +17,7 @@ from kernels import KernelizeFallback, LocalLayerRepository, Mode, kernelize, re
 from kernels import use_kernel_mapping
 
 from conftest import DEVICE, ON_GPU, REPO_ROOT
+from model_helpers import VARIANTS, assert_same_step, loss_and_grads, variant_paths
 from numerics import assert_close_ratio, rel_err
 
 if str(REPO_ROOT / "tools") not in sys.path:
@@ -359,15 +360,6 @@ def test_kernels_and_portable_path_agree(fk, fk_cpu):
 # Layers, swapped in with kernelize.
 # ----------------------------------------------------------------------------------------------------------
 
-def variant_paths(build_dir):
-    if ON_GPU:
-        return {"selected": build_dir}
-    return {"torch-cpu": build_dir / "torch-cpu", "torch-cuda (interpreter)": build_dir / "torch-cuda"}
-
-
-VARIANTS = ["selected"] if ON_GPU else ["torch-cpu", "torch-cuda (interpreter)"]
-
-
 def tiny_model(family, dtype):
     from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -378,13 +370,6 @@ def tiny_model(family, dtype):
                           attn_implementation="sdpa")
     torch.manual_seed(0)
     return model_class(config).to(device=DEVICE, dtype=dtype)
-
-
-def loss_and_grads(model, input_ids):
-    model.zero_grad()
-    out = model(input_ids=input_ids, labels=input_ids)
-    out.loss.backward()
-    return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.fixture
@@ -416,10 +401,7 @@ def test_kernelize_mlp_matches_unpatched(build_dir, kernelizable, variant, famil
     input_ids = torch.randint(0, 128, (2, 16), device=DEVICE)
     ref_logits, ref_grads = loss_and_grads(reference, input_ids)
     logits, grads = loss_and_grads(patched, input_ids)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(logits, ref_logits, **tol)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, **tol, msg=lambda m: f"{name}: {m}")
+    assert_same_step(logits, grads, ref_logits, ref_grads, dtype)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
