@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from ._build_info import BACKEND
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -50,3 +52,9 @@ def check_choice(name: str, value, choices):
 def interpreting() -> bool:
     """True while Triton's CPU interpreter is on: CPU tensors then run the Triton kernels too."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def runs_triton(t: torch.Tensor) -> bool:
+    """Whether an op on ``t`` runs the Triton kernels: in a CUDA variant, for CUDA tensors and, under the
+    interpreter, CPU tensors. Otherwise (the torch-cpu variant, CPU tensors) the op's PyTorch implementation runs."""
+    return BACKEND == "cuda" and (t.is_cuda or (t.device.type == "cpu" and interpreting()))

@@ -42,10 +42,6 @@ _UNLIMITED = 1 << 30
 MAX_HEAD_DIM = 256
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return _triton_flash_attn is not None and (t.is_cuda or (t.device.type == "cpu" and _checks.interpreting()))
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Validation.
 # ----------------------------------------------------------------------------------------------------------
@@ -185,7 +181,7 @@ def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     window = _window(causal, window_left, window_right)
     seed = (torch.randint(-(2**62), 2**62, (1,), device=q.device, dtype=torch.int64) if dropout_p > 0
             else torch.zeros(1, device=q.device, dtype=torch.int64))
-    if not _use_triton(q):
+    if not _checks.runs_triton(q):
         out, lse = _torch_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, window, softcap, s_aux,
                                     seed)
         return out.to(q.dtype), lse, seed
@@ -214,7 +210,7 @@ def _backward_impl(dout, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, ma
     """(dq, dk, dv, d s_aux or None)."""
     window = _window(causal, window_left, window_right)
     dout = _contiguous_last_dim(dout)
-    if not _use_triton(q):
+    if not _checks.runs_triton(q):
         return _torch_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, window, softcap, s_aux,
                                seed)
     varlen = cu_seqlens_q is not None
@@ -363,7 +359,7 @@ def _dropout_mask(q, k, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """The dropout keep mask ``(batch, heads, seq_q, seq_k)`` (bool) the call used, or None without dropout.
 
     FlashAttention-2 returns ``S_dmask`` here "for testing only"; this is the mask such tests reconstruct."""
-    if dropout_p <= 0 or not _use_triton(q):
+    if dropout_p <= 0 or not _checks.runs_triton(q):
         return None
     varlen = cu_seqlens_q is not None
     n_batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]

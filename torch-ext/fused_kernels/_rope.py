@@ -46,10 +46,6 @@ _CONFIG_FAMILY = "rope"
 POSITION_DTYPES = (torch.int32, torch.int64)
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return _triton_rope is not None and (t.is_cuda or (t.device.type == "cpu" and _checks.interpreting()))
-
-
 def _logical(t: torch.Tensor, heads_dim: int) -> torch.Tensor:
     """The (batch, seq, heads, head_dim) view of a q/k-shaped tensor."""
     return t if heads_dim == 2 else t.transpose(1, 2)
@@ -140,7 +136,7 @@ def _rotate_into(q, k, q_out, k_out, cos, sin, position_ids, heads_dim, interlea
     else:
         position_ids = position_ids.expand(batch, seq)
     rotary_dim = cos.shape[-1]
-    if _use_triton(q):
+    if _checks.runs_triton(q):
         config = pick(_CONFIG_FAMILY, "rope", q.device, qv.shape[-1])
         _triton_rope.rope(qv, kv, q_out_v, k_out_v, cos, sin, position_ids, rotary_dim, interleaved, inverse,
                           block_s=config["block_s"], block_h=config["block_h"], num_warps=config["num_warps"])

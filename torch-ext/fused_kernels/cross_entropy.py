@@ -62,10 +62,6 @@ def _programs(config, device):
     return None if per_sm is None else per_sm * multiprocessor_count(device)
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    return _triton_ce is not None and (t.is_cuda or (t.device.type == "cpu" and _checks.interpreting()))
-
-
 def validate_options(opts: LossOptions):
     if isinstance(opts.ignore_index, bool) or not isinstance(opts.ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {opts.ignore_index!r}")
@@ -114,7 +110,7 @@ def _needs_weight_sum(weight, opts) -> bool:
 def loss_constants(target: torch.Tensor, weight, n_classes: int, opts: LossOptions) -> torch.Tensor:
     """fp32 ``[D, W]`` on the device: D the "mean" denominator over the flat ``target``, W the sum of the class
     weights (only computed when label smoothing needs it)."""
-    if use_triton(target):
+    if _checks.runs_triton(target):
         constants = torch.zeros(2, device=target.device, dtype=torch.float32)
         config = pick(_CONFIG_FAMILY, "constants", target.device, n_classes)
         _triton_ce.loss_constants(target, weight, constants, target.numel(), n_classes, opts.ignore_index,
@@ -180,7 +176,7 @@ def loss_rows(logits, target, weight, constants, opts: LossOptions, *, loss=None
     itself), reading ``lse`` when there is no loss pass, times ``grad_out`` when given (one per row, or one)."""
     if logits.shape[0] == 0:
         return
-    if use_triton(logits):
+    if _checks.runs_triton(logits):
         config = pick(_CONFIG_FAMILY, "rows", logits.device, logits.shape[1])
         _triton_ce.cross_entropy_rows(
             logits, target, weight, constants, loss, z_loss, lse, dlogits, grad_out, logits.shape[0],
@@ -194,7 +190,7 @@ def loss_rows(logits, target, weight, constants, opts: LossOptions, *, loss=None
 
 def scale_(t: torch.Tensor, scale: torch.Tensor) -> None:
     """``t *= scale`` in place (``scale`` a one-element tensor); free on the GPU when ``scale`` is exactly 1."""
-    if use_triton(t):
+    if _checks.runs_triton(t):
         config = pick(_CONFIG_FAMILY, "scale", t.device, t.shape[-1] if t.dim() else 1)
         _triton_ce.scale_(t, scale, block=config["block_cols"], num_warps=config["num_warps"])
     else:

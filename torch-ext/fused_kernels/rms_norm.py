@@ -29,10 +29,6 @@ MODES = ("llama", "gemma", "plain")
 _CONFIG_FAMILY = "rms_norm"
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return _triton_rms_norm is not None and (t.is_cuda or (t.device.type == "cpu" and _checks.interpreting()))
-
-
 def _output_dtype(x: torch.Tensor, weight: torch.Tensor | None, mode: str) -> torch.dtype:
     if mode == "llama" and weight is not None:
         return torch.promote_types(x.dtype, weight.dtype)
@@ -142,7 +138,7 @@ def _forward(x, weight, residual, eps, mode):
     """(y, residual_out): residual_out = x + residual, or None without a residual."""
     _validate(x, weight, residual, eps, mode)
     out_dtype = _output_dtype(x, weight, mode)
-    if _use_triton(x):
+    if _checks.runs_triton(x):
         return _triton_forward(x, weight, residual, eps, mode, out_dtype)
     if residual is None:
         return _torch_forward(x, weight, eps, mode, out_dtype), None
@@ -153,7 +149,7 @@ def _forward(x, weight, residual, eps, mode):
 def _backward_impl(dy, d_residual_out, h, weight, eps, mode, compute_dw):
     if dy is None:  # only the residual output of the fused form was used
         dy = torch.zeros(h.shape, device=h.device, dtype=h.dtype)
-    if _use_triton(h):
+    if _checks.runs_triton(h):
         return _triton_backward(dy, d_residual_out, h, weight, eps, mode, compute_dw)
     return _torch_backward(dy, d_residual_out, h, weight, eps, mode, compute_dw)
 

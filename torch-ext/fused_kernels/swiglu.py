@@ -32,10 +32,6 @@ APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}  # geglu's `approximate`,
 _CONFIG_FAMILY = "swiglu"
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return _triton_swiglu is not None and (t.is_cuda or (t.device.type == "cpu" and _checks.interpreting()))
-
-
 def _validate(gate, up, activation):
     """``up`` None: ``gate`` is the fused ``gate_up`` tensor."""
     _checks.check_choice("activation", activation, ACTIVATIONS)
@@ -128,14 +124,14 @@ def _forward(gate, up, activation):
     _validate(gate, up, activation)
     if up is None:
         gate, up = _halves(gate)
-    if _use_triton(gate):
+    if _checks.runs_triton(gate):
         return _triton_forward(gate, up, activation)
     return _torch_forward(gate, up, activation)
 
 
 def _backward(dout, gate, up, activation):
     """(d_gate, d_up), two new tensors of gate's shape."""
-    if _use_triton(gate):
+    if _checks.runs_triton(gate):
         d_gate = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
         d_up = torch.empty_like(d_gate)
         _triton_backward(dout, gate, up, d_gate, d_up, gate.shape[-1], activation)
@@ -146,7 +142,7 @@ def _backward(dout, gate, up, activation):
 def _backward_fused(dout, gate_up, activation):
     """The gradient of the fused input: one (..., 2I) tensor, its halves written by the kernel in place."""
     gate, up = _halves(gate_up)
-    if _use_triton(gate_up):
+    if _checks.runs_triton(gate_up):
         d_gate_up = torch.empty(gate_up.shape, device=gate_up.device, dtype=gate_up.dtype)
         d_gate, d_up = _halves(d_gate_up)
         _triton_backward(dout, gate, up, d_gate, d_up, gate_up.shape[-1], activation)
