@@ -46,8 +46,10 @@ def running_hub(tmp_path: Path, **server_kwargs) -> Iterator[HubServer]:
 
 def hub_env(url: str, hf_home: Path, token: str | None = "hf_test") -> dict:
     """A full copy of os.environ for a client subprocess that talks to the hub at `url`, with its own
-    HF_HOME (cache, token file) and `tools/` on PYTHONPATH. token=None: no HF_TOKEN at all."""
+    HF_HOME (cache, token file) and `tools/` on PYTHONPATH. token=None: no HF_TOKEN at all. The GPU is hidden,
+    so what the client loads (the torch-cpu variant) is the same on every machine."""
     env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""
     for name in REMOVED_VARS:
         env.pop(name, None)
     env["HF_ENDPOINT"] = url

@@ -84,4 +84,5 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 
 
 def plain_env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO_ROOT / "tools"), "PYTHONDONTWRITEBYTECODE": "1"}
+    tools_first = os.pathsep.join(filter(None, [str(REPO_ROOT / "tools"), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": tools_first, "PYTHONDONTWRITEBYTECODE": "1"}

@@ -9,12 +9,15 @@ The build is never imported in the pytest process: imports happen in subprocesse
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO_ROOT, run_tool  # run_tool: `python -m fused_kernels_tools ARGS` (check=False: inspect)
 
@@ -85,8 +88,25 @@ def rehash(variant: Path) -> None:
     write_metadata(variant, metadata)
 
 
+def with_tools_on_path() -> str:
+    """PYTHONPATH for a subprocess: `tools/` first, then whatever this process had (a machine whose packages
+    live on PYTHONPATH, such as the GPU host's, must keep them)."""
+    return os.pathsep.join(filter(None, [str(TOOLS_DIR), os.environ.get("PYTHONPATH")]))
+
+
+def require_module(name: str):
+    """Import `name`, or skip the test where it is not installed; under CI=true (where requirements-dev.txt is
+    installed) a missing module is a failure, so CI never skips silently."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{name} must be installed under CI=true: {error}")
+        pytest.skip(f"{name} is not installed here ({error})")
+
+
 def python_subprocess(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter without a GPU and without writing bytecode."""
     full_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONDONTWRITEBYTECODE": "1",
-                "PYTHONPATH": str(TOOLS_DIR), **(env or {})}
+                "PYTHONPATH": with_tools_on_path(), **(env or {})}
     return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True)
