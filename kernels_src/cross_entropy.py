@@ -19,9 +19,12 @@ host synchronisation.
 
 ``_cross_entropy_kernel`` runs one program per row and walks the row in ``BLOCK_COLS`` chunks:
   pass 1 (LOSS_PASS): an online log-sum-exp (running max, rescaled sum; one exp per element) and, with label
-    smoothing, ``sum_c w_c * x_c``; then stores the row's loss (and z-loss), and lse for a later backward;
+    smoothing, ``sum_c w_c * x_c``; then stores the row's loss (and z-loss), and its row statistics
+    ``(max_c x_c, log sum_c exp(x_c - max))`` for a later backward;
   pass 2 (GRAD_PASS): re-reads the row (mostly from L2: a row of 152k bf16 logits is 300 KB) and writes the
-    gradient in the logits dtype. Without LOSS_PASS it takes lse from the forward's output instead.
+    gradient in the logits dtype. Without LOSS_PASS it reads the row statistics the forward stored.
+lse is kept as its two parts, and p_c = exp((x_c - max) - log_sum): with logits of magnitude 1e4, lse itself is
+rounded to the ulp of the max (1e-3), which would be a 1e-3 relative error in every p_c.
 The gradient may be written into the logits buffer itself (each element is read before it is written, by the
 same program), which is how fused linear cross-entropy keeps one chunk buffer. ``g`` comes from
 ``grad_out_ptr`` (per row, or one value with stride 0) or is 1 when the gradient is written during the forward.
@@ -51,7 +54,7 @@ def _soft_cap(z, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _cross_entropy_kernel(
-    logits_ptr, target_ptr, weight_ptr, constants_ptr, grad_out_ptr, loss_ptr, z_loss_ptr, lse_ptr, dlogits_ptr,
+    logits_ptr, target_ptr, weight_ptr, constants_ptr, grad_out_ptr, loss_ptr, z_loss_ptr, row_stats_ptr, dlogits_ptr,
     n_rows, n_cols, logits_stride_row, logits_stride_col, dlogits_stride_row, grad_out_stride,
     ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -125,9 +128,12 @@ def _cross_entropy_kernel(
             tl.store(loss_ptr + row, loss)
             if STORE_Z_LOSS:
                 tl.store(z_loss_ptr + row, tl.where(ignored, 0.0, tl.where(counted, r * z_loss, float("nan"))))
-            tl.store(lse_ptr + row, lse)
+            tl.store(row_stats_ptr + 2 * row, row_max)
+            tl.store(row_stats_ptr + 2 * row + 1, log_sum)
         else:
-            lse = tl.load(lse_ptr + row)
+            row_max = tl.load(row_stats_ptr + 2 * row)
+            log_sum = tl.load(row_stats_ptr + 2 * row + 1)
+            lse = row_max + log_sum
 
         if GRAD_PASS:
             g = 1.0
@@ -149,7 +155,7 @@ def _cross_entropy_kernel(
                 mask = cols < n_cols
                 z = tl.load(row_ptr + cols * logits_stride_col, mask=cols < n_read, other=0.0).to(tl.float32)
                 x, t = _soft_cap(z, softcap, HAS_SOFTCAP)
-                p = tl.exp(x - lse)
+                p = tl.exp((x - row_max) - log_sum)
                 dx = coef_y * tl.where(cols == y, p - 1.0, p)
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
@@ -210,12 +216,13 @@ def loss_constants(target, weight, constants, n_rows, n_cols, ignore_index, weig
            dict(HAS_WEIGHT=weight is not None, WEIGHT_SUM=weight_sum, BLOCK=block), num_warps)
 
 
-def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, lse, dlogits, grad_out, n_rows, n_cols,
+def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, row_stats, dlogits, grad_out, n_rows, n_cols,
                        ignore_index, label_smoothing, lse_square_scale, softcap, mean, *, loss_pass, grad_pass,
                        block_cols, num_warps, num_programs=None):
     """Launch the row kernel over ``n_rows`` rows of the 2-D ``logits`` (any strides).
 
-    ``loss``/``lse`` (fp32, ``(n_rows,)``) are written when ``loss_pass``; ``lse`` is read otherwise. ``z_loss``
+    ``loss`` (fp32, ``(n_rows,)``) and ``row_stats`` (fp32, contiguous ``(n_rows, 2)``: each row's max and log of
+    its shifted sum, whose sum is lse) are written when ``loss_pass``; ``row_stats`` is read otherwise. ``z_loss``
     (may be None) receives the z-loss part of each row's loss. ``dlogits`` (2-D, unit column stride; may be
     ``logits`` itself) receives the gradient when ``grad_pass``, scaled by ``grad_out`` when given (one value
     per row, or a single value). ``softcap`` is None or > 0. ``num_programs`` caps the grid (each program then
@@ -229,7 +236,7 @@ def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, lse, dlo
         _cross_entropy_kernel, (n_rows if num_programs is None else max(1, min(n_rows, num_programs)),),
         (logits, target, weight if weight is not None else constants, constants,
          grad_out if grad_out is not None else constants, loss if loss is not None else constants,
-         z_loss if z_loss is not None else constants, lse, dlogits if dlogits is not None else logits,
+         z_loss if z_loss is not None else constants, row_stats, dlogits if dlogits is not None else logits,
          n_rows, n_cols, logits.stride(0), logits.stride(1), dlogits.stride(0) if dlogits is not None else 0,
          grad_out_stride, ignore_index, float(label_smoothing), float(lse_square_scale),
          float(softcap) if softcap is not None else 1.0),

@@ -126,7 +126,7 @@ def loss_constants(target: torch.Tensor, weight, n_classes: int, opts: LossOptio
     return torch.stack([denominator, weight_sum])
 
 
-def _torch_rows(logits, target, weight, constants, opts, loss, z_loss, lse, dlogits, grad_out, loss_pass,
+def _torch_rows(logits, target, weight, constants, opts, loss, z_loss, row_stats, dlogits, grad_out, loss_pass,
                 grad_pass):
     n_classes = logits.shape[1]
     eps, cap = opts.label_smoothing, opts.softcap
@@ -142,50 +142,62 @@ def _torch_rows(logits, target, weight, constants, opts, loss, z_loss, lse, dlog
     r = torch.where(constants[0] != 0, 1.0 / constants[0], 0.0) if opts.reduction == "mean" else 1.0
     nan = float("nan")
     if loss_pass:
-        row_lse = torch.where(counted, torch.logsumexp(x, dim=1), 0.0)
-        ce = (1 - eps) * w_y * (row_lse - x.gather(1, y[:, None])[:, 0])
+        row_max = torch.where(counted, x.amax(dim=1), 0.0)
+        log_sum = torch.where(counted, (x - row_max[:, None]).exp().sum(1).log(), 0.0)
+        row_stats.copy_(torch.stack([row_max, log_sum], dim=1))
+    row_max, log_sum = row_stats.unbind(1)
+    row_lse = row_max + log_sum
+    if loss_pass:
+        ce = (1 - eps) * w_y * ((row_max - x.gather(1, y[:, None])[:, 0]) + log_sum)
         if eps > 0:
             ce = ce + eps / n_classes * (weight_sum * row_lse - (x * w if w is not None else x).sum(1))
         z_part = opts.lse_square_scale * row_lse.square() if opts.lse_square_scale > 0 else torch.zeros_like(ce)
         loss.copy_(torch.where(ignored, 0.0, torch.where(counted, r * (ce + z_part), nan)))
         if z_loss is not None:
             z_loss.copy_(torch.where(ignored, 0.0, torch.where(counted, r * z_part, nan)))
-        lse.copy_(row_lse)
     if grad_pass:
-        scale = r * (grad_out.float().reshape(-1) if grad_out is not None else 1.0) * torch.ones_like(lse)
+        scale = r * (grad_out.float().reshape(-1) if grad_out is not None else 1.0) * torch.ones_like(row_lse)
         coef_y = torch.where(ignored | counted, scale * (1 - eps) * w_y, nan)
-        p = torch.exp(torch.where(counted[:, None], x, 0.0) - lse[:, None])
+        p = torch.exp((torch.where(counted[:, None], x, 0.0) - row_max[:, None]) - log_sum[:, None])
         # coef_y * (p - onehot): p - 1 is exact near 1, keeping a confident target's small gradient. The
         # smoothing and z-loss terms stay separate, so each cancels only against its own kind.
         dx = coef_y[:, None] * p.scatter_add(1, y[:, None], -torch.ones_like(p[:, :1]))
         if eps > 0:
             smoothing = (scale * eps / n_classes)[:, None]
             dx = dx + smoothing * (weight_sum * p - (w[None, :] if w is not None else 1.0))
-        dx = dx + (scale * 2 * opts.lse_square_scale * lse)[:, None] * p
+        dx = dx + (scale * 2 * opts.lse_square_scale * row_lse)[:, None] * p
         if cap is not None:
             dx = dx * (1 - tanh * tanh)
         dlogits.copy_(torch.where(ignored[:, None], 0.0, dx))
 
 
-def loss_rows(logits, target, weight, constants, opts: LossOptions, *, loss=None, z_loss=None, lse, dlogits=None,
+def loss_rows(logits, target, weight, constants, opts: LossOptions, *, loss=None, z_loss=None, row_stats,
+              dlogits=None,
               grad_out=None, loss_pass: bool, grad_pass: bool):
     """Per-row losses and/or gradients of the 2-D ``logits`` against the flat ``target``.
 
-    ``loss_pass`` writes ``loss``, ``z_loss`` (optional) and ``lse`` (fp32, one per row), already multiplied by
-    1 / D under reduction "mean". ``grad_pass`` writes the gradient into ``dlogits`` (may be ``logits``
-    itself), reading ``lse`` when there is no loss pass, times ``grad_out`` when given (one per row, or one)."""
+    ``loss_pass`` writes ``loss`` and ``z_loss`` (optional; fp32, one per row, already multiplied by 1 / D under
+    reduction "mean") and ``row_stats`` (``new_row_stats``: each row's log-sum-exp as max and log of the shifted
+    sum). ``grad_pass`` writes the gradient into ``dlogits`` (may be ``logits`` itself), reading ``row_stats``
+    when there is no loss pass, times ``grad_out`` when given (one per row, or one)."""
     if logits.shape[0] == 0:
         return
     if _checks.runs_triton(logits):
         config = pick(_CONFIG_FAMILY, "rows", logits.device, logits.shape[1])
         _triton_ce.cross_entropy_rows(
-            logits, target, weight, constants, loss, z_loss, lse, dlogits, grad_out, logits.shape[0],
+            logits, target, weight, constants, loss, z_loss, row_stats, dlogits, grad_out, logits.shape[0],
             logits.shape[1], opts.ignore_index, opts.label_smoothing, opts.lse_square_scale, opts.softcap,
             opts.reduction == "mean", loss_pass=loss_pass, grad_pass=grad_pass, block_cols=config["block_cols"],
             num_warps=config["num_warps"], num_programs=_programs(config, logits.device))
     else:
-        _torch_rows(logits, target, weight, constants, opts, loss, z_loss, lse, dlogits, grad_out, loss_pass,
+        _torch_rows(logits, target, weight, constants, opts, loss, z_loss, row_stats, dlogits, grad_out, loss_pass,
                     grad_pass)
+
+
+def new_row_stats(n_rows: int, device) -> torch.Tensor:
+    """The (n_rows, 2) fp32 buffer of each row's (max, log sum exp(x - max)): lse in two parts, so that a
+    backward from saved statistics gets softmax as exp((x - max) - log_sum), exact even for logits of 1e4."""
+    return torch.empty((n_rows, 2), device=device, dtype=torch.float32)
 
 
 def scale_(t: torch.Tensor, scale: torch.Tensor) -> None:
@@ -207,7 +219,7 @@ def reduce_rows(rows: torch.Tensor, opts: LossOptions, shape) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 def _forward(logits, target, weight, opts, return_z_loss, grad_in_forward, inplace):
-    """(loss, z_loss or None, lse, constants, dlogits or None): dlogits when ``grad_in_forward`` (reduction mean
+    """(loss, z_loss or None, row_stats, constants, dlogits or None): dlogits when ``grad_in_forward`` (reduction mean
     or sum), written into the logits when ``inplace`` and their layout allows it."""
     _validate(logits, target, weight, opts)
     n_classes = logits.shape[-1]
@@ -217,27 +229,27 @@ def _forward(logits, target, weight, opts, return_z_loss, grad_in_forward, inpla
     constants = loss_constants(target1d, weight, n_classes, opts)
     rows = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
     z_rows = torch.empty_like(rows) if return_z_loss else None
-    lse = torch.empty_like(rows)
+    row_stats = new_row_stats(n_rows, logits.device)
     dlogits = None
     if grad_in_forward:
         if inplace and logits2d.stride(1) == 1:
             dlogits = logits2d
         else:
             dlogits = torch.empty((n_rows, n_classes), device=logits.device, dtype=logits.dtype)
-    loss_rows(logits2d, target1d, weight, constants, opts, loss=rows, z_loss=z_rows, lse=lse, dlogits=dlogits,
+    loss_rows(logits2d, target1d, weight, constants, opts, loss=rows, z_loss=z_rows, row_stats=row_stats, dlogits=dlogits,
               loss_pass=True, grad_pass=grad_in_forward)
     loss = reduce_rows(rows, opts, target.shape)
     z_loss = reduce_rows(z_rows, opts, target.shape) if return_z_loss else None
-    return loss, z_loss, lse, constants, dlogits
+    return loss, z_loss, row_stats, constants, dlogits
 
 
-def _backward(grad_loss, logits, target, weight, lse, constants, opts):
-    """The logits gradient from the saved log-sum-exp, with the incoming gradient folded in."""
+def _backward(grad_loss, logits, target, weight, row_stats, constants, opts):
+    """The logits gradient from the saved row statistics, with the incoming gradient folded in."""
     n_classes = logits.shape[-1]
     logits2d = logits.reshape(-1, n_classes)
     dlogits = torch.empty(logits2d.shape, device=logits.device, dtype=logits.dtype)
     loss_rows(logits2d, target.reshape(-1).contiguous(), weight.contiguous() if weight is not None else None,
-              constants, opts, lse=lse, dlogits=dlogits, grad_out=grad_loss.reshape(-1).contiguous(),
+              constants, opts, row_stats=row_stats, dlogits=dlogits, grad_out=grad_loss.reshape(-1).contiguous(),
               loss_pass=False, grad_pass=True)
     return dlogits.view(logits.shape)
 
@@ -254,10 +266,11 @@ def _options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap
 def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
                       reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
                       return_z_loss: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, z_loss (empty unless ``return_z_loss``), lse per token, constants [D, W]) with a pure forward."""
+    """(loss, z_loss (empty unless ``return_z_loss``), row statistics (``new_row_stats``), constants [D, W]) with
+    a pure forward."""
     opts = _options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
-    loss, z_loss, lse, constants, _ = _forward(logits, target, weight, opts, return_z_loss, False, False)
-    return loss, z_loss if z_loss is not None else loss.new_empty(0), lse, constants
+    loss, z_loss, row_stats, constants, _ = _forward(logits, target, weight, opts, return_z_loss, False, False)
+    return loss, z_loss if z_loss is not None else loss.new_empty(0), row_stats, constants
 
 
 @_cross_entropy_op.register_fake
@@ -267,21 +280,21 @@ def _(logits, target, weight, ignore_index, reduction, label_smoothing, lse_squa
     loss_shape = target.shape if reduction == "none" else ()
     loss = logits.new_empty(loss_shape, dtype=torch.float32)
     z_loss = logits.new_empty(loss_shape if return_z_loss else (0,), dtype=torch.float32)
-    return loss, z_loss, logits.new_empty((target.numel(),), dtype=torch.float32), \
+    return loss, z_loss, logits.new_empty((target.numel(), 2), dtype=torch.float32), \
         logits.new_empty((2,), dtype=torch.float32)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("cross_entropy_backward"), mutates_args=())
 def _cross_entropy_backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
-                               weight: torch.Tensor | None, lse: torch.Tensor, constants: torch.Tensor,
+                               weight: torch.Tensor | None, row_stats: torch.Tensor, constants: torch.Tensor,
                                ignore_index: int, reduction: str, label_smoothing: float, lse_square_scale: float,
                                softcap: float | None) -> torch.Tensor:
     opts = _options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
-    return _backward(grad_loss, logits, target, weight, lse, constants, opts)
+    return _backward(grad_loss, logits, target, weight, row_stats, constants, opts)
 
 
 @_cross_entropy_backward_op.register_fake
-def _(grad_loss, logits, target, weight, lse, constants, ignore_index, reduction, label_smoothing,
+def _(grad_loss, logits, target, weight, row_stats, constants, ignore_index, reduction, label_smoothing,
       lse_square_scale, softcap):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
@@ -292,9 +305,9 @@ def _op_setup_context(ctx, inputs, output):
     ctx.options = options
 
 
-def _op_backward(ctx, grad_loss, grad_z_loss, grad_lse, grad_constants):
-    logits, target, weight, lse, constants = ctx.saved_tensors
-    dlogits = _cross_entropy_backward_op(grad_loss, logits, target, weight, lse, constants, *ctx.options)
+def _op_backward(ctx, grad_loss, grad_z_loss, grad_row_stats, grad_constants):
+    logits, target, weight, row_stats, constants = ctx.saved_tensors
+    dlogits = _cross_entropy_backward_op(grad_loss, logits, target, weight, row_stats, constants, *ctx.options)
     return dlogits, None, None, None, None, None, None, None, None
 
 
@@ -308,15 +321,15 @@ class _EagerCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, opts, return_z_loss, needs_grad, inplace):
         grad_in_forward = needs_grad and opts.reduction != "none"
-        loss, z_loss, lse, constants, dlogits = _forward(logits, target, weight, opts, return_z_loss,
-                                                         grad_in_forward, inplace)
+        loss, z_loss, row_stats, constants, dlogits = _forward(logits, target, weight, opts, return_z_loss,
+                                                               grad_in_forward, inplace)
         ctx.opts, ctx.logits_shape, ctx.grad_in_forward = opts, logits.shape, grad_in_forward
         ctx.dlogits = dlogits
         if dlogits is not None and dlogits.data_ptr() == logits.data_ptr():
             # The caller's logits now hold the gradient: make autograd's saved-tensor checks see the write.
             torch.autograd.graph.increment_version(logits)
         if needs_grad and not grad_in_forward:
-            ctx.save_for_backward(logits, target, weight, lse, constants)
+            ctx.save_for_backward(logits, target, weight, row_stats, constants)
         if z_loss is not None:
             ctx.mark_non_differentiable(z_loss)
         return loss, z_loss
@@ -331,8 +344,8 @@ class _EagerCrossEntropy(torch.autograd.Function):
             scale_(dlogits, grad_loss)
             dlogits = dlogits.view(ctx.logits_shape)
         else:
-            logits, target, weight, lse, constants = ctx.saved_tensors
-            dlogits = _backward(grad_loss, logits, target, weight, lse, constants, ctx.opts)
+            logits, target, weight, row_stats, constants = ctx.saved_tensors
+            dlogits = _backward(grad_loss, logits, target, weight, row_stats, constants, ctx.opts)
         return dlogits, None, None, None, None, None, None
 
 

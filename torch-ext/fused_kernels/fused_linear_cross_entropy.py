@@ -40,8 +40,8 @@ Everything else (options, NaN for out-of-range targets, fp32 losses) is as in ``
 import torch
 
 from . import _checks
-from .cross_entropy import (LossOptions, loss_constants, loss_rows, reduce_rows, scale_, validate_options,
-                            validate_target_and_weight)
+from .cross_entropy import (LossOptions, loss_constants, loss_rows, new_row_stats, reduce_rows, scale_,
+                            validate_options, validate_target_and_weight)
 from ._ops import add_op_namespace_prefix
 
 # Default budget for the chunk's logits buffer.
@@ -122,7 +122,7 @@ def _run(hidden, weight, target, bias, class_weight, opts, return_z_loss, chunk_
     constants = loss_constants(target1d, class_weight, vocab, opts)
     rows = torch.empty(n_tokens, device=device, dtype=torch.float32)
     z_rows = torch.empty_like(rows) if return_z_loss else None
-    lse = torch.empty_like(rows)
+    row_stats = new_row_stats(n_tokens, device)
     grad_hidden = torch.empty((n_tokens, n_hidden), device=device, dtype=hidden.dtype) if need_hidden else None
     # The first chunk's GEMM overwrites the whole buffer; it needs zeros only when there is no chunk at all.
     allocate = torch.empty if n_tokens else torch.zeros
@@ -139,7 +139,7 @@ def _run(hidden, weight, target, bias, class_weight, opts, return_z_loss, chunk_
         else:
             torch.mm(hidden_chunk, weight_t, out=logits)
         loss_rows(logits, target1d[start:end], class_weight, constants, opts, loss=rows[start:end],
-                  z_loss=z_rows[start:end] if z_rows is not None else None, lse=lse[start:end],
+                  z_loss=z_rows[start:end] if z_rows is not None else None, row_stats=row_stats[start:end],
                   dlogits=logits if any_grad else None,
                   grad_out=grad_rows[start:end] if grad_rows is not None else None,
                   loss_pass=True, grad_pass=any_grad)
