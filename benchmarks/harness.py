@@ -13,7 +13,9 @@ Conventions an op module follows:
   `make_inputs`) returning one tensor or a tuple of tensors, in the order of `output_names`;
 - `make_inputs` draws fresh random tensors and sets `requires_grad` on the ones to differentiate;
 - the reference is the op's exact math; it runs on float32 copies of the inputs;
-- `bytes_moved` counts each tensor read or written once (the floor-style count of h200-baselines.md).
+- `bytes_moved` counts each tensor read or written once (the floor-style count of h200-baselines.md);
+- `flops`, for compute-bound ops, makes rows report TFLOP/s, and the floor becomes the longer of the byte floor
+  and the FLOPs at the dense GEMM rate measured in the same run (a roofline).
 """
 
 import importlib
@@ -71,7 +73,8 @@ class OpBenchmark:
     reference: Provider
     output_names: tuple[str, ...]
     bytes_moved: Callable[[Case, str], int]
-    # Multiply-add work per mode (2 FLOPs each), for compute-bound ops: rows then also report TFLOP/s.
+    # FLOPs per mode (2 per multiply-add), for compute-bound ops: rows then also report TFLOP/s, and the floor
+    # counts the FLOPs at the measured GEMM rate.
     flops: Callable[[Case, str], int] | None = None
     # Losses: differentiate with gradient 1 (`loss.backward()`, what a training step does) instead of random.
     unit_grad_outputs: bool = False
@@ -101,7 +104,7 @@ class Row:
     gbps: float | None = None
     peak_mib: float | None = None  # fwd+bwd only
     ratio_vs_best_peer: float | None = None  # ms / fastest peer's ms: below 1 is faster than every peer
-    floor_ms: float | None = None
+    floor_ms: float | None = None  # the longer of bytes at the copy bandwidth and FLOPs at the GEMM rate
     rel_err: dict[str, float | None] | None = None  # None where the output held NaN or inf
     tflops: float | None = None
     note: str = ""
@@ -181,6 +184,16 @@ def measure_copy_gbps(device: torch.device) -> float:
     destination = torch.empty_like(source)
     ms = median_ms(lambda: destination.copy_(source), on_gpu=device.type == "cuda")
     return 2 * nbytes / ms / 1e6
+
+
+def measure_gemm_tflops(device: torch.device) -> float:
+    """Dense matmul rate in TFLOP/s: bf16 8192^3 on a GPU (the compute ceiling of h200-baselines.md), a small
+    float32 one on a CPU smoke run."""
+    on_gpu = device.type == "cuda"
+    size, dtype = (8192, torch.bfloat16) if on_gpu else (256, torch.float32)
+    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
+    ms = median_ms(lambda: a @ b, on_gpu)
+    return 2 * size**3 / ms / 1e9
 
 
 def _input_set_count(working_set_bytes: int) -> int:
@@ -278,10 +291,17 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _measure(bench, case, mode, name, provider, input_sets, grad_sets, reference, env, copy_gbps) -> Row:
+def _floor_ms(bench: OpBenchmark, case: Case, mode: str, copy_gbps: float, gemm_tflops: float) -> float:
+    floor = bench.bytes_moved(case, mode) / copy_gbps / 1e6
+    if bench.flops is not None:
+        floor = max(floor, bench.flops(case, mode) / gemm_tflops / 1e9)
+    return floor
+
+
+def _measure(bench, case, mode, name, provider, input_sets, grad_sets, reference, env, floor_ms) -> Row:
     nbytes = bench.bytes_moved(case, mode)
     dtype = str(case.dtype).removeprefix("torch.")
-    row = Row(bench.op, mode, case.shape, dtype, name, "ok", bytes_moved=nbytes, floor_ms=nbytes / copy_gbps / 1e6)
+    row = Row(bench.op, mode, case.shape, dtype, name, "ok", bytes_moved=nbytes, floor_ms=floor_ms)
     leaves = [leaf for inputs in input_sets for leaf in _leaves(inputs).values()]
     if mode == "fwd+bwd":
         # Each provider gets its own gradient tensors: some peers (Liger's RMSNorm by default) write dx into dy.
@@ -318,7 +338,8 @@ def _measure(bench, case, mode, name, provider, input_sets, grad_sets, reference
     return row
 
 
-def run_benchmark(bench: OpBenchmark, env: Env, copy_gbps: float, only_providers: set[str] | None) -> list[Row]:
+def run_benchmark(bench: OpBenchmark, env: Env, copy_gbps: float, gemm_tflops: float,
+                  only_providers: set[str] | None) -> list[Row]:
     providers = {name: fn for name, fn in bench.providers.items() if only_providers is None or name in only_providers}
     rows = []
     for case in bench.cases:
@@ -328,9 +349,10 @@ def run_benchmark(bench: OpBenchmark, env: Env, copy_gbps: float, only_providers
         reference, grad_sets = _reference_and_grad_outputs(bench, case, input_sets)
         for mode in MODES:
             mode_rows = []
+            floor_ms = _floor_ms(bench, case, mode, copy_gbps, gemm_tflops)
             for name, fn in providers.items():
                 mode_rows.append(_measure(bench, case, mode, name, fn, input_sets, grad_sets, reference, env,
-                                          copy_gbps))
+                                          floor_ms))
                 # Some peers write into their inputs (Liger's cross-entropy stores the gradient in the logits):
                 # every provider and mode starts from the same values.
                 _restore(input_sets, pristine)
@@ -368,7 +390,7 @@ def _progress_line(row: Row, case: Case) -> str:
 # Results
 
 
-def run_header(env: Env, copy_gbps: float) -> dict:
+def run_header(env: Env, copy_gbps: float, gemm_tflops: float) -> dict:
     build_info = importlib.import_module(f"{env.ours.__name__}._build_info")
     if env.on_gpu:
         device = torch.cuda.get_device_name()
@@ -382,6 +404,7 @@ def run_header(env: Env, copy_gbps: float) -> dict:
         "python": platform.python_version(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "copy_gbps": round(copy_gbps, 1),
+        "gemm_tflops": round(gemm_tflops, 1),
         "fused_kernels": {"variant": build_info.VARIANT, "commit": build_info.COMMIT, "dirty": build_info.DIRTY},
         "quick": env.quick,
         "timing": f"median of triton.testing.do_bench, warmup {WARMUP_MS} ms, rep {REP_MS} ms"
@@ -400,7 +423,8 @@ def _header_lines(header: dict) -> list[str]:
         f"{header['device']}; torch {header['torch']}, triton {header['triton']}, "
         f"liger-kernel {header['liger_kernel']}; {header['date']}",
         f"fused_kernels {ours['variant']} at {ours['commit'][:10]}{' (dirty)' if ours['dirty'] else ''}; "
-        f"{header['timing']}; copy {header['copy_gbps']:.0f} GB/s (read + write).",
+        f"{header['timing']}; copy {header['copy_gbps']:.0f} GB/s (read + write); "
+        f"dense GEMM {header['gemm_tflops']:.0f} TFLOP/s.",
     ]
 
 
@@ -454,13 +478,14 @@ def _time_table(rows: list[Row]) -> list[str]:
     return lines
 
 
-def _memory_table(rows: list[Row]) -> list[str]:
+def _provider_table(rows: list[Row], text: Callable[[Row], str]) -> list[str]:
+    """One column per provider holding text(row): peak memory, TFLOP/s."""
     providers = list(dict.fromkeys(row.provider for row in rows))
     dims = list(rows[0].shape)
     lines = ["| " + " | ".join(dims + providers) + " |", "|" + "---|" * (len(dims) + len(providers))]
     for shape, by_provider in _by_shape(rows).items():
         cells = [str(size) for _, size in shape]
-        cells += [_cell(by_provider.get(name), lambda r: f"{r.peak_mib:.1f}") for name in providers]
+        cells += [_cell(by_provider.get(name), text) for name in providers]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -478,12 +503,18 @@ def markdown_report(title: str, header: dict, rows: list[Row]) -> str:
     lines = [f"# {title}", "", *_header_lines(header), ""]
     lines.append(
         "Times in ms (median). A peer cell reads `ms (ours ÷ peer)`: below 1 means ours is faster. "
-        "floor = bytes moved (each tensor read or written once) ÷ measured copy bandwidth."
+        "floor = bytes moved (each tensor read or written once) ÷ measured copy bandwidth; for ops that count "
+        "FLOPs, the FLOPs ÷ measured dense GEMM rate where that is longer (ours % of floor is then ours % of "
+        "that compute ceiling)."
     )
     for (op, mode), group in _group(rows, "op", "mode").items():
         lines += ["", f"## {op}, {mode}, {group[0].dtype}", "", *_time_table(group)]
+        if any(row.tflops is not None for row in group):
+            lines += ["", f"TFLOP/s of every provider, {op} {mode}:", "",
+                      *_provider_table(group, lambda r: f"{r.tflops:.0f}")]
         if mode == "fwd+bwd" and any(row.peak_mib is not None for row in group):
-            lines += ["", f"Peak extra memory of one {op} fwd+bwd (MiB):", "", *_memory_table(group)]
+            lines += ["", f"Peak extra memory of one {op} fwd+bwd (MiB):", "",
+                      *_provider_table(group, lambda r: f"{r.peak_mib:.1f}")]
     problems = _problems(rows)
     if problems:
         lines += ["", "## Not timed", "", *problems]
@@ -521,7 +552,9 @@ def summary_report(header: dict, rows_by_file: dict[str, list[Row]]) -> str:
 
 
 def write_plots(time_path: Path, memory_path: Path, rows: list[Row]) -> None:
-    """Time (and, on a GPU, fwd+bwd peak memory) against bytes moved: a line per provider, a panel per op and mode."""
+    """Time (and, on a GPU, fwd+bwd peak memory) against the size of a call, a line per provider, a panel per op
+    and mode. The size is the FLOPs for ops that count them (attention's sequence sweep keeps the bytes
+    constant), else the bytes moved."""
     try:
         import matplotlib
     except ImportError:
@@ -533,11 +566,14 @@ def write_plots(time_path: Path, memory_path: Path, rows: list[Row]) -> None:
     def plot(path: Path, groups: dict[tuple, list[Row]], value: Callable[[Row], float], ylabel: str) -> None:
         figure, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
         for axis, ((op, mode), group) in zip(axes[0], groups.items()):
+            by_flops = all(row.tflops is not None for row in group)
             for (provider,), provider_rows in _group(group, "provider").items():
-                points = sorted((row.bytes_moved / 1e6, value(row)) for row in provider_rows)
+                # TFLOP/s x ms = GFLOP.
+                points = sorted((row.tflops * row.ms if by_flops else row.bytes_moved / 1e6, value(row))
+                                for row in provider_rows)
                 axis.plot(*zip(*points), marker="o", label=provider)
             axis.set(xscale="log", yscale="log", title=f"{op} {mode}", ylabel=ylabel)
-            axis.set_xlabel("bytes moved per call (MB)")
+            axis.set_xlabel("GFLOP per call" if by_flops else "bytes moved per call (MB)")
             axis.grid(True, which="both", alpha=0.3)
             axis.legend(fontsize="small")
         figure.tight_layout()

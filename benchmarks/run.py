@@ -43,8 +43,10 @@ def main() -> None:
         kernel_path = args.kernel_path or harness.build_variants(Path(build_dir))
         env = harness.Env(device=device, ours=harness.load_fused_kernels(kernel_path), quick=args.quick)
         copy_gbps = harness.measure_copy_gbps(device)
-        header = harness.run_header(env, copy_gbps)
-        print(f"copy bandwidth {copy_gbps:.0f} GB/s; fused_kernels variant {header['fused_kernels']['variant']}")
+        gemm_tflops = harness.measure_gemm_tflops(device)
+        header = harness.run_header(env, copy_gbps, gemm_tflops)
+        print(f"copy bandwidth {copy_gbps:.0f} GB/s; dense GEMM {gemm_tflops:.0f} TFLOP/s; "
+              f"fused_kernels variant {header['fused_kernels']['variant']}")
 
         args.out.mkdir(parents=True, exist_ok=True)
         only_providers = set(args.providers) if args.providers else None
@@ -53,7 +55,7 @@ def main() -> None:
             module = importlib.import_module(f"bench_{op}")
             rows = []
             for bench in module.benchmarks(env):
-                rows += harness.run_benchmark(bench, env, copy_gbps, only_providers)
+                rows += harness.run_benchmark(bench, env, copy_gbps, gemm_tflops, only_providers)
             rows_by_op[op] = rows
             harness.write_json(args.out / f"{op}.json", header, rows)
             reports.append(harness.markdown_report(op, header, rows))

@@ -1,9 +1,17 @@
 """The `benchmarks/benchmark_*.py` scripts that `kernels benchmark myorg/fused-kernels --version 2` runs: each
 defines a `kernels.Benchmark` subclass, and kernels' own runner (the function the CLI calls per class) runs every
 workload once on tiny CPU shapes with the torch-cpu variant, its verify step included (the runner raises when
-our output is not allclose to the reference). The timings are meaningful only on a GPU."""
+our output is not allclose to the reference). The timings are meaningful only on a GPU.
+
+Also the comparative suite `benchmarks/run.py` for attention: its smoke run, and the chunked float32 reference
+that checks every provider (on the GPU it runs at s=16384, where only its chunking makes it fit)."""
+
+import json
+import subprocess
+import sys
 
 import pytest
+import torch
 from kernels.benchmark import Benchmark
 
 from conftest import REPO_ROOT
@@ -28,3 +36,52 @@ def test_benchmark_script_verifies_on_the_cpu_variant(build_dir, script):
                                      is_local=True, revision="local")
     assert set(results) == {"forward", "forward_backward"}
     assert all(timing.verified for timing in results.values())
+
+
+BENCHMARKS_DIR = REPO_ROOT / "benchmarks"
+
+
+def test_attention_suite_quick_run(build_dir, tmp_path):
+    """`run.py --ops flash_attn --quick` (on a CPU: our kernels in the interpreter, float16): every provider of
+    both masks passes the float32 check and is timed, and the JSON and markdown results are written."""
+    command = [sys.executable, "run.py", "--ops", "flash_attn", "--quick", "--kernel-path", str(build_dir),
+               "--out", str(tmp_path)]
+    proc = subprocess.run(command, cwd=BENCHMARKS_DIR, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "flash_attn.json").read_text())["rows"]
+    ours = [row for row in rows if row["provider"] == "fused_kernels"]
+    assert {(row["mode"], row["shape"]["causal"]) for row in ours} == {(mode, causal) for mode in ("fwd", "fwd+bwd")
+                                                                       for causal in (0, 1)}
+    # On a GPU some SDPA backends may refuse the tiny head dim (recorded as unsupported); none may be wrong.
+    allowed = {"ok", "unsupported"} if torch.cuda.is_available() else {"ok"}
+    assert all(row["status"] == "ok" and row["tflops"] > 0 for row in ours), ours
+    assert {row["status"] for row in rows} <= allowed, [row for row in rows if row["status"] not in allowed]
+    report = (tmp_path / "flash_attn.md").read_text()
+    assert "TFLOP/s of every provider, flash_attn fwd+bwd" in report
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_attention_reference_matches_one_pass(monkeypatch, causal):
+    """The reference split into query chunks (here 5 rows each, the last one short) gives the output and
+    gradients of one unchunked pass, with GQA; that pass matches torch's scaled_dot_product_attention."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import bench_flash_attn
+
+    batch, seq, heads = 2, 37, 4
+    monkeypatch.setattr(bench_flash_attn, "REFERENCE_CHUNK_SCORES", batch * heads * seq * 5)
+    torch.manual_seed(0)
+    q = torch.randn(batch, seq, heads, 8, requires_grad=True)
+    k, v = (torch.randn(batch, seq, 2, 8, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(batch, seq, heads, 8)
+
+    def output_and_grads(attention):
+        out = attention(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+    chunked = output_and_grads(bench_flash_attn.chunked_reference(causal))
+    one_pass = output_and_grads(lambda q, k, v: bench_flash_attn.eager_attention(q, k, v, causal))
+    for got, want in zip(chunked, one_pass):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                            is_causal=causal, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(one_pass[0], sdpa, rtol=1e-5, atol=1e-5)
