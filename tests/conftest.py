@@ -17,6 +17,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+# The backend `kernels` loads variants for: that of the torch build (a CUDA wheel is "cuda" even with no GPU).
+TORCH_BACKEND = "cuda" if torch.version.cuda else "cpu"
 
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"

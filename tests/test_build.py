@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import ast
 import json
+import platform
 import shutil
 import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 from kernels._rust import Build, Digest, DigestAlgorithm, Metadata
 from kernels.archs import _supports_cuda_capability
 from kernels.backends import CPU, CUDA
@@ -21,6 +23,7 @@ from kernels.validate import ArchValidator
 from kernels.variants import _resolve_variant_for_system, get_variants_local
 from packaging.version import Version
 
+from conftest import TORCH_BACKEND
 from tooling_helpers import (
     REPO_ROOT, git, python_subprocess, read_metadata, run_tool, session_build, session_snapshot,
 )
@@ -314,13 +317,22 @@ def loaded(build) -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def test_get_local_kernel_picks_torch_cpu_on_a_cpu_machine(loaded, build):
-    rev = read_metadata(build / "torch-cpu")["id"]
-    assert loaded["get_local_kernel"] == ["torch-cpu", rev]
+def expected_variant(build) -> str:
+    """torch-cpu for a CPU torch; for a CUDA torch, its arch variant (``torch211-cxx11-cu130-x86_64-linux``)."""
+    if TORCH_BACKEND == "cpu":
+        return "torch-cpu"
+    major, minor = torch.__version__.split(".")[:2]
+    return f"torch{major}{minor}-cxx11-cu{torch.version.cuda.replace('.', '')}-{platform.machine()}-linux"
 
 
-def test_local_kernels_get_kernel_picks_torch_cpu(loaded, build):
-    assert loaded["get_kernel"] == ["torch-cpu", read_metadata(build / "torch-cpu")["id"]]
+def test_get_local_kernel_picks_the_variant_of_this_torch(loaded, build):
+    variant = expected_variant(build)
+    assert loaded["get_local_kernel"] == [variant, read_metadata(build / variant)["id"]]
+
+
+def test_local_kernels_get_kernel_picks_the_variant_of_this_torch(loaded, build):
+    variant = expected_variant(build)
+    assert loaded["get_kernel"] == [variant, read_metadata(build / variant)["id"]]
 
 
 def test_torch_cuda_variant_directory_imports_without_a_gpu(loaded, build):

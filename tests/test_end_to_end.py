@@ -96,10 +96,10 @@ def kernel_calls(loss):
     return counts
 
 
-def train(model, input_ids, steps, check_step=None):
+def train(model, input_ids, steps, lr, check_step=None):
     """`steps` AdamW steps on the same batch; returns the loss of each step (before its update)."""
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
@@ -125,7 +125,7 @@ def relative_gaps(losses, exact):
     return [abs(a - b) / b for a, b in zip(losses, exact)]
 
 
-def run_parity(model_type, sizes, batch, seq, steps=STEPS):
+def run_parity(model_type, sizes, batch, seq, lr=3e-3, steps=STEPS):
     reference = make_model(model_type, sizes)
     ours = make_model(model_type, sizes)
     ours.load_state_dict(reference.state_dict())
@@ -137,8 +137,8 @@ def run_parity(model_type, sizes, batch, seq, steps=STEPS):
         assert not kernel_calls(loss), "the references must run transformers' own modules"
 
     # The references train first: kernelize rebinds the model file's apply_rotary_pos_emb for the whole process.
-    exact_losses = train(exact, input_ids, steps, no_kernel)
-    ref_losses = train(reference, input_ids, steps, no_kernel)
+    exact_losses = train(exact, input_ids, steps, lr, no_kernel)
+    ref_losses = train(reference, input_ids, steps, lr, no_kernel)
 
     ours = use_fused_kernels(ours.train())
     kernel_id = ours.model.norm.forward.__func__.__module__.removesuffix(".layers")
@@ -151,7 +151,7 @@ def run_parity(model_type, sizes, batch, seq, steps=STEPS):
     def every_kernel(loss):
         assert kernel_calls(loss) == expected
 
-    losses = train(ours, input_ids, steps, every_kernel)
+    losses = train(ours, input_ids, steps, lr, every_kernel)
 
     assert exact_losses[-1] < 0.8 * exact_losses[0], f"the reference did not learn: {exact_losses}"
     ours_gap, stock_gap = max(relative_gaps(losses, exact_losses)), max(relative_gaps(ref_losses, exact_losses))
@@ -179,4 +179,6 @@ def test_other_families_train_on_every_kernel(build_dir, monkeypatch, stock_tran
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])
 def test_training_loss_curve_matches_sdpa_larger(build_dir, monkeypatch, stock_transformers, model_type):
     monkeypatch.setenv("LOCAL_KERNELS", f"{REPO}={build_dir}")
-    run_parity(model_type, LARGER, batch=8, seq=512)
+    # At the small model's 3e-3 this one's loss spikes (in fp32 too), and after a spike runs that differ by a
+    # rounding follow different paths (measured: 15% apart by step 20), which says nothing about the kernels.
+    run_parity(model_type, LARGER, batch=8, seq=512, lr=1e-3)

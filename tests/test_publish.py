@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TORCH_BACKEND
 from hub_helpers import HubServer, hub_api, hub_env, run_client, running_hub, use_local_hub
 from publish_helpers import (
     REPO_ID, package_all, publish, release_build, release_commits, release_source, releases_toml, tool,
@@ -121,9 +122,10 @@ print(v1.__name__, v2.__name__, ns[0], ns[1], info[0].VERSION, info[1].VERSION, 
 """
     proc = run_client(code, hub_env(hub.url, tmp_path / "hf-client"), check=True)
     v1_id, v2_id, ns1, ns2, ver1, ver2, c1, c2, var1, var2 = proc.stdout.split()
-    assert (v1_id, v2_id) == (f"_fused_kernels_cpu_{commit_a[:7]}", f"_fused_kernels_cpu_{commit_b[:7]}")
+    assert (v1_id, v2_id) == (f"_fused_kernels_{TORCH_BACKEND}_{commit_a[:7]}",
+                              f"_fused_kernels_{TORCH_BACKEND}_{commit_b[:7]}")
     assert (ns1, ns2) == (v1_id, v2_id) and (ver1, ver2) == ("1", "2") and (c1, c2) == (commit_a, commit_b)
-    assert var1 == var2 == "torch-cpu"
+    assert var1 == var2 == f"torch-{TORCH_BACKEND}"
 
 
 def test_republishing_an_unchanged_build_makes_no_commit(hub, env, source, built):
@@ -472,8 +474,7 @@ def test_demo_end_to_end(tmp_path):
     assert proc.returncode == 0, out + proc.stderr
     assert "demo: PASS" in out and "all checks passed" in out
     assert "get_kernel('myorg/fused-kernels', revision='v2')" in out and "get_kernel('myorg/fused-kernels', version=1)" in out
-    chosen = "torch-cpu" if "device cpu" in out else None
-    if chosen:
+    if TORCH_BACKEND == "cpu":
         assert "chosen torch-cpu: noarch build for this system's backend (cpu)" in out
         assert "rejected  1 (torch-cuda): backend (cuda) does not match system backend (cpu)" in out
     for op in ("rms_norm", "fused_add_rms_norm"):
@@ -492,7 +493,7 @@ def test_demo_fails_on_an_exported_function_without_a_check(hub, tmp_path):
     init.write_text(text + "\n\ndef unchecked(x):\n    return x\n")
     git(src, "commit", "-q", "-am", "a function without a demo check")
     out = tmp_path / "out"
-    run_tool("build", "--source", str(src), "--out", str(out), "--only", "torch-cpu", "--version", "2")
+    run_tool("build", "--source", str(src), "--out", str(out), "--only", "torch-cpu", "torch-cuda", "--version", "2")
     publish(out, src, hub_env(hub.url, tmp_path / "hf"), "--no-release-check")
     proc = subprocess.run([sys.executable, "-m", "fused_kernels_tools.demo", "--repo-id", REPO_ID, "revision=v2"],
                           env=hub_env(hub.url, tmp_path / "hf-client"), capture_output=True, text=True, timeout=300)
