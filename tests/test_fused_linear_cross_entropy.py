@@ -441,17 +441,18 @@ def _tiny_llama(dtype):
     return TinyLlama(config).to(device=DEVICE, dtype=dtype)
 
 
+@pytest.mark.parametrize("layer", ["FusedLinearCrossEntropyForCausalLM", "LowMemoryFusedLinearCrossEntropyForCausalLM"])
 @pytest.mark.parametrize("variant", ["selected"] if ON_GPU else ["torch-cpu", "torch-cuda"])
-def test_causal_lm_layer_matches_the_stock_model(build_dir, variant):
+def test_causal_lm_layer_matches_the_stock_model(build_dir, variant, layer):
     from kernels import LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
 
-    name = "FusedLinearCrossEntropyForCausalLM"
+    name = "FusedLinearCrossEntropyForCausalLM"  # the model's layer name, mapped to either of our layers
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     reference = _tiny_llama(dtype).train()
     patched = copy.deepcopy(reference)
     replace_kernel_forward_from_hub(type(patched), name)
     path = build_dir if ON_GPU else build_dir / variant
-    with use_kernel_mapping({name: {DEVICE.type: LocalLayerRepository(path, layer_name=name)}}, inherit_mapping=False):
+    with use_kernel_mapping({name: {DEVICE.type: LocalLayerRepository(path, layer_name=layer)}}, inherit_mapping=False):
         patched = kernelize(patched, mode=Mode.TRAINING, device=DEVICE.type)
     assert patched.forward.__func__.__module__.endswith(".layers"), "kernelize did not swap in the Hub layer"
 
