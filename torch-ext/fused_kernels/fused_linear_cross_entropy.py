@@ -12,25 +12,43 @@ buffer in the input dtype:
 The "mean" denominator is computed once over all tokens on the device before the first chunk, so every chunk's
 gradient already carries the final 1/D (no host synchronisation).
 
-Weight gradient. It is accumulated in one fp32 ``(vocab, hidden)`` buffer: the first chunk's GEMM writes it
-(``mm`` with an fp32 output), later chunks add into it in the GEMM epilogue (``addmm`` with beta=1, fp32
-output from half-precision operands), and it is rounded to the weight's dtype once at the end (accumulating in
-bf16 across chunks is a known cause of divergence). Each later chunk re-reads and re-writes that buffer, so the
-default chunk is as large as the memory budget allows (``CHUNK_BYTES`` of chunk logits, about three chunks for
-8192 tokens of a 152k vocabulary): the alternative, a vocabulary-sliced loop whose GEMMs see all tokens as
-their reduction dimension, would need the log-sum-exp of every token first and so compute the logits twice
-(8 instead of 6 * tokens * vocab * hidden FLOPs). For fp32 weights the buffer is the gradient itself.
+Weight gradient. It is summed in fp32 ``(vocab, hidden)`` buffers: the first chunk's GEMM writes them (``mm``
+with an fp32 output), later chunks add into them in the GEMM epilogue (``addmm`` with beta=1, fp32 output from
+half-precision operands), and they are rounded to the weight's dtype once at the end (accumulating in bf16
+across chunks is a known cause of divergence). For fp32 weights the buffer is the gradient itself. For half
+precision the rounded gradient's own storage holds the fp32 sums of the first vocab // 2 rows (it has exactly
+their size) and a second buffer the rest; the end rounds both into that storage in place (``_WeightGradSum``),
+so no rounded copy coexists with the sums. Each later chunk re-reads and re-writes the sums, so the default
+chunk is as large as the budget allows (``CHUNK_BYTES`` of chunk logits, three chunks for 8192 tokens of a
+152k vocabulary).
 
-Memory, beyond the inputs: the chunk buffer (``chunk_tokens * vocab`` elements of the input dtype), the fp32
-weight-gradient buffer (``4 * vocab * hidden`` bytes; for half-precision weights the rounded gradient,
-``2 * vocab * hidden``, briefly coexists with it), and the hidden (and bias) gradients. Nothing grows with
-``tokens * vocab``.
+Low memory (``low_memory=True``). Instead of an fp32 ``(vocab, hidden)`` sum, the vocabulary goes in the outer
+loop, which needs every token's log-sum-exp first:
+  A. the loop above without gradients: every token's loss, z-loss and lse (its chunk buffer is freed before B);
+  B. for each slice of ``chunk_vocab`` vocabulary rows: ``logits = hidden @ weight[slice].T (+ bias)`` for all
+     tokens, the row kernel's gradient pass over that column slice (given the lse), then
+     ``grad_weight[slice] = dlogits.T @ hidden`` (one GEMM over all tokens: fp32 sums inside the GEMM, written
+     once in the weight's dtype), ``grad_bias[slice] = dlogits.sum(0)`` and ``grad_hidden += dlogits @
+     weight[slice]`` into an fp32 ``(tokens, hidden)`` sum, rounded at the end.
+The logits are computed twice: 8 instead of 6 * tokens * vocab * hidden FLOPs, about a third more time.
+
+Memory beyond the inputs, with T tokens, H hidden, V vocabulary, b bytes per element of the input dtype, C
+tokens per chunk and S vocabulary rows per slice (the returned gradients included; T + V sized vectors left
+out):
+  default:     4*V*H (fp32 sums, the gradient inside them) + C*V*b (chunk) + T*H*b (grad_hidden);
+               T=8192 H=4096 V=151936 bf16: 2.32 + 0.78 + 0.06 = 3.16 GiB (the floor, C -> 0: 2.38 GiB; each of
+               the T/C chunks re-reads and re-writes the 4*V*H bytes of sums once);
+  low memory:  V*H*b + 4*T*H + T*S*b in pass B (the weight gradient, the fp32 hidden-gradient sum, the slice;
+               at the end the T*H*b grad_hidden takes the slice's place); pass A's C*V*b comes before it and by
+               default is no larger. The same shape: 1.16 + 0.125 + 0.12 = 1.41 GiB (the floor, S -> 0: 1.35
+               GiB). The returned gradients alone are V*H*b + T*H*b = 1.22 GiB.
+Nothing grows with ``tokens * vocab``.
 
 When the gradients are computed. Eager mode, reductions mean/sum: during the forward (as the fused CE does),
 and the backward multiplies them in place by the incoming gradient, skipping that on the device when it is
 exactly 1; a second backward through the same graph is refused. Reduction "none": the forward computes only
-the losses, and the backward runs the chunked pass again with each token's incoming gradient folded into its
-logits gradient. Under ``torch.compile`` the registered op computes the gradients in the forward when an input
+the losses, and the backward runs the whole computation again (with low memory: passes A and B) with each
+token's incoming gradient folded into its logits gradient. Under ``torch.compile`` the registered op computes the gradients in the forward when an input
 requires grad, and the backward scales them out of place (or, for "none", recomputes as above).
 
 Everything else (options, NaN for out-of-range targets, fp32 losses) is as in ``cross_entropy``. A NaN row
