@@ -16,8 +16,8 @@ Weight gradient. It is summed in fp32 ``(vocab, hidden)`` buffers: the first chu
 with an fp32 output), later chunks add into them in the GEMM epilogue (``addmm`` with beta=1, fp32 output from
 half-precision operands), and they are rounded to the weight's dtype once at the end (accumulating in bf16
 across chunks is a known cause of divergence). For fp32 weights the buffer is the gradient itself. For half
-precision the rounded gradient's own storage holds the fp32 sums of the first vocab // 2 rows (it has exactly
-their size) and a second buffer the rest; the end rounds both into that storage in place (``_WeightGradSum``),
+precision the rounded gradient's own storage holds the fp32 sums of its first rows (up to half of them, which
+is all it has room for) and a second buffer the rest; the end rounds both into that storage in place (``_WeightGradSum``),
 so no rounded copy coexists with the sums. Each later chunk re-reads and re-writes the sums, so the default
 chunk is as large as the budget allows (``CHUNK_BYTES`` of chunk logits, three chunks for 8192 tokens of a
 152k vocabulary).
@@ -164,7 +164,7 @@ class _WeightGradSum:
 
     For fp32 weights the sum is the gradient. For half precision, an fp32 ``(vocab, hidden)`` sum and a separately
     allocated rounded copy would peak at 6 * vocab * hidden bytes. Instead the gradient's own storage
-    (2 * vocab * hidden bytes) holds the fp32 sums of the first vocab // 2 rows, a separate fp32 buffer holds the
+    (2 * vocab * hidden bytes) holds the fp32 sums of the first rows (at most half), a separate fp32 buffer the
     others, and ``result`` rounds both into that storage in place: the peak is the 4 * vocab * hidden bytes of
     the fp32 sums, and the returned gradient is an ordinary tensor that owns exactly its own storage."""
 
@@ -175,7 +175,8 @@ class _WeightGradSum:
         if weight.dtype == torch.float32:
             self.parts = [(0, self.grad)]
         else:
-            split = vocab // 2
+            # At most half the rows fit; a multiple of 64 keeps the second part's GEMM operands 16-byte aligned.
+            split = vocab // 2 // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE
             low = self.grad.view(-1)[: 2 * split * n_hidden].view(torch.float32).view(split, n_hidden)
             high = new((vocab - split, n_hidden), device=weight.device, dtype=torch.float32)
             self.parts = [(0, low), (split, high)]
