@@ -1,6 +1,10 @@
 """Fused linear cross-entropy, the LM-head GEMM plus its loss (`loss.backward()`), against torch eager
 (bf16 logits, then the fp32 upcast loss of transformers), torch.compile and Liger's fused linear cross-entropy.
-Sweeps tokens and vocabulary at H=4096."""
+Sweeps tokens and vocabulary at H=4096.
+
+Ours runs three ways: the default (token chunks of about 1 GiB of logits), the default with 1024-token chunks
+(a smaller chunk buffer, more passes over the fp32 weight-gradient sums) and `low_memory=True` (vocabulary
+slices; the logits are computed twice). TFLOP/s counts the 6*T*H*V FLOPs of the computation itself for all."""
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +46,10 @@ def benchmarks(env: Env) -> list[OpBenchmark]:
     ours = env.ours
     providers = {
         OURS: lambda hidden, weight, target: ours.fused_linear_cross_entropy(hidden, weight, target),
+        f"{OURS}:chunk1024": lambda hidden, weight, target:
+            ours.fused_linear_cross_entropy(hidden, weight, target, chunk_tokens=1024),
+        f"{OURS}:low_memory": lambda hidden, weight, target:
+            ours.fused_linear_cross_entropy(hidden, weight, target, low_memory=True),
         "torch": torch_lm_head_loss,
     }
     if env.on_gpu:

@@ -55,6 +55,11 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 Provider = Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
 
 
+def is_ours(provider: str) -> bool:
+    """OURS or another setting of ours ("OURS:setting"): never a peer that ours is compared with."""
+    return provider == OURS or provider.startswith(OURS + ":")
+
+
 @dataclass(frozen=True)
 class Case:
     shape: dict[str, int]
@@ -68,7 +73,8 @@ class Case:
 class OpBenchmark:
     op: str
     cases: list[Case]
-    providers: dict[str, Provider]  # OURS plus peers; every provider other than OURS is a peer
+    # OURS, other settings of ours named "OURS:setting" (e.g. another algorithm), and peers: every other provider.
+    providers: dict[str, Provider]
     make_inputs: Callable[[Case, torch.device], dict[str, torch.Tensor]]
     reference: Provider
     output_names: tuple[str, ...]
@@ -356,7 +362,7 @@ def run_benchmark(bench: OpBenchmark, env: Env, copy_gbps: float, gemm_tflops: f
                 # Some peers write into their inputs (Liger's cross-entropy stores the gradient in the logits):
                 # every provider and mode starts from the same values.
                 _restore(input_sets, pristine)
-            peer_times = [row.ms for row in mode_rows if row.provider != OURS and row.status == "ok"]
+            peer_times = [row.ms for row in mode_rows if not is_ours(row.provider) and row.status == "ok"]
             for row in mode_rows:
                 if row.status == "ok" and peer_times:
                     row.ratio_vs_best_peer = row.ms / min(peer_times)

@@ -28,7 +28,10 @@ rounded to the ulp of the max (1e-3), which would be a 1e-3 relative error in ev
 The gradient may be written into the logits buffer itself (each element is read before it is written, by the
 same program), which is how fused linear cross-entropy keeps one chunk buffer. ``g`` comes from
 ``grad_out_ptr`` (per row, or one value with stride 0) or is 1 when the gradient is written during the forward.
-Offsets are int64, so ``rows * V`` beyond 2**31 is fine.
+The gradient pass alone may also run over a column slice ``[col_start, col_start + n_cols)`` of rows of
+``n_classes`` classes (the lse then comes from an earlier loss pass over whole rows): the vocabulary-sliced fused
+linear cross-entropy computes its logits one vocabulary slice at a time. Offsets are int64, so ``rows * V``
+beyond 2**31 is fine.
 
 ``_loss_constants_kernel`` computes on the device, in one program, D (the "mean" denominator) and W, so no
 host synchronisation is needed. ``_scale_kernel`` multiplies a gradient computed during the forward by the
@@ -55,7 +58,7 @@ def _soft_cap(z, softcap, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _cross_entropy_kernel(
     logits_ptr, target_ptr, weight_ptr, constants_ptr, grad_out_ptr, loss_ptr, z_loss_ptr, row_stats_ptr, dlogits_ptr,
-    n_rows, n_cols, logits_stride_row, logits_stride_col, dlogits_stride_row, grad_out_stride,
+    n_rows, n_cols, n_classes, col_start, logits_stride_row, logits_stride_col, dlogits_stride_row, grad_out_stride,
     ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     MEAN: tl.constexpr, LOSS_PASS: tl.constexpr, STORE_Z_LOSS: tl.constexpr, GRAD_PASS: tl.constexpr,
@@ -68,7 +71,7 @@ def _cross_entropy_kernel(
         row_ptr = logits_ptr + row * logits_stride_row
         y = tl.load(target_ptr + row).to(tl.int64)
         ignored = y == ignore_index
-        in_range = (y >= 0) & (y < n_cols)
+        in_range = (y >= 0) & (y < n_classes)
         counted = in_range & (y != ignore_index)
         y_safe = tl.where(counted, y, 0)
         if HAS_WEIGHT:
@@ -79,13 +82,13 @@ def _cross_entropy_kernel(
                 weight_sum = 0.0
         else:
             w_y = 1.0
-            weight_sum = n_cols * 1.0
+            weight_sum = n_classes * 1.0
         r = 1.0
         if MEAN:
             denominator = tl.load(constants_ptr)
             # D = 0 only when no row is counted: every loss and gradient is then 0 (or NaN) whatever r is.
             r = 1.0 / tl.where(denominator != 0.0, denominator, 1.0)
-        smoothing_per_class = label_smoothing / n_cols
+        smoothing_per_class = label_smoothing / n_classes
         # Rows that are not counted read no logits: pass 1 does not run for them, pass 2 masks every load.
         n_read = tl.where(counted, n_cols, 0)
 
@@ -156,10 +159,11 @@ def _cross_entropy_kernel(
                 z = tl.load(row_ptr + cols * logits_stride_col, mask=cols < n_read, other=0.0).to(tl.float32)
                 x, t = _soft_cap(z, softcap, HAS_SOFTCAP)
                 p = tl.exp((x - row_max) - log_sum)
-                dx = coef_y * tl.where(cols == y, p - 1.0, p)
+                dx = coef_y * tl.where(col_start + cols == y, p - 1.0, p)
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
-                        dx += coef_s * p - coef_c * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                        w_c = tl.load(weight_ptr + col_start + cols, mask=mask, other=0.0).to(tl.float32)
+                        dx += coef_s * p - coef_c * w_c
                     else:
                         dx += coef_s * p - coef_c
                 if HAS_Z_LOSS:
@@ -218,8 +222,12 @@ def loss_constants(target, weight, constants, n_rows, n_cols, ignore_index, weig
 
 def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, row_stats, dlogits, grad_out, n_rows, n_cols,
                        ignore_index, label_smoothing, lse_square_scale, softcap, mean, *, loss_pass, grad_pass,
-                       block_cols, num_warps, num_programs=None):
+                       block_cols, num_warps, num_programs=None, n_classes=None, col_start=0):
     """Launch the row kernel over ``n_rows`` rows of the 2-D ``logits`` (any strides).
+
+    ``logits`` holds columns ``[col_start, col_start + n_cols)`` of rows of ``n_classes`` classes (default: the
+    whole rows, ``n_classes = n_cols``). A gradient pass without a loss pass may take such a column slice (the
+    vocabulary-sliced fused linear cross-entropy); a loss pass needs whole rows (the caller checks).
 
     ``loss`` (fp32, ``(n_rows,)``) and ``row_stats`` (fp32, contiguous ``(n_rows, 2)``: each row's max and log of
     its shifted sum, whose sum is lse) are written when ``loss_pass``; ``row_stats`` is read otherwise. ``z_loss``
@@ -228,6 +236,7 @@ def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, row_stat
     per row, or a single value). ``softcap`` is None or > 0. ``num_programs`` caps the grid (each program then
     walks several rows); None runs one program per row.
     """
+    n_classes = n_cols if n_classes is None else n_classes
     if grad_out is not None:
         grad_out_stride = 0 if grad_out.numel() == 1 else 1
     else:
@@ -237,8 +246,8 @@ def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, row_stat
         (logits, target, weight if weight is not None else constants, constants,
          grad_out if grad_out is not None else constants, loss if loss is not None else constants,
          z_loss if z_loss is not None else constants, row_stats, dlogits if dlogits is not None else logits,
-         n_rows, n_cols, logits.stride(0), logits.stride(1), dlogits.stride(0) if dlogits is not None else 0,
-         grad_out_stride, ignore_index, float(label_smoothing), float(lse_square_scale),
+         n_rows, n_cols, n_classes, col_start, logits.stride(0), logits.stride(1),
+         dlogits.stride(0) if dlogits is not None else 0, grad_out_stride, ignore_index, float(label_smoothing), float(lse_square_scale),
          float(softcap) if softcap is not None else 1.0),
         dict(HAS_WEIGHT=weight is not None, HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=lse_square_scale > 0,
              HAS_SOFTCAP=softcap is not None, MEAN=mean, LOSS_PASS=loss_pass, STORE_Z_LOSS=z_loss is not None,

@@ -1,7 +1,9 @@
 """Fused linear cross-entropy: options, chunking, gradients of hidden/weight/bias against float64, tied and view
-weights, errors, compile, memory, and the causal-LM Hub layer in a tiny Llama.
+weights, errors, compile, memory, and the causal-LM Hub layers in a tiny Llama; the low-memory (vocabulary-sliced)
+algorithm against the same references and against the default one.
 
-On the CPU the chunk size is forced small (a few tokens) so every test crosses chunk boundaries.
+On the CPU the chunk size is forced small (a few tokens, a few dozen vocabulary columns) so every test crosses
+chunk and slice boundaries.
 """
 
 import copy
@@ -20,6 +22,10 @@ from test_cross_entropy import REDUCTIONS, baseline, leaf, reference_float64
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SHAPE = (2, 300, 1024, 32000) if ON_GPU else (3, 5, 32, 300)  # (batch, tokens, hidden, vocab)
 CHUNK = 256 if ON_GPU else 4
+# Vocabulary columns per slice of the low-memory algorithm: not a multiple of 64 or of the vocabulary.
+SLICE = 4000 if ON_GPU else 37
+# Each algorithm, as the keyword arguments that select it.
+ALGORITHMS = {"default": {}, "low_memory": {"low_memory": True, "chunk_vocab": SLICE}}
 
 
 def make_inputs(shape, dtype, with_bias=False, ignored_fraction=0.3, device=DEVICE):
@@ -32,7 +38,8 @@ def make_inputs(shape, dtype, with_bias=False, ignored_fraction=0.3, device=DEVI
     return hidden, weight, bias, target
 
 
-def check(fk, hidden, weight, bias, target, class_weight=None, *, chunk_tokens=CHUNK, k=None, **options):
+def check(fk, hidden, weight, bias, target, class_weight=None, *, chunk_tokens=CHUNK, k=None, algorithm=None,
+          **options):
     """Ours against the float64 reference, error-ratio bounded by an HF-style baseline (lm_head in the input
     dtype, then fp32 cross-entropy). Returns (loss, grad_hidden, grad_weight, grad_bias)."""
     dtype = hidden.dtype
@@ -44,7 +51,7 @@ def check(fk, hidden, weight, bias, target, class_weight=None, *, chunk_tokens=C
     before = [t.clone() for t in inputs]
     h, w, b = leaf(hidden), leaf(weight), leaf(bias) if bias is not None else None
     loss, z_loss = fk.fused_linear_cross_entropy(h, w, target, b, class_weight=class_weight, return_z_loss=True,
-                                                 chunk_tokens=chunk_tokens, **opts)
+                                                 chunk_tokens=chunk_tokens, **opts, **(algorithm or {}))
     grad = torch.randn(loss.shape, device=loss.device)
     loss.backward(grad)
     assert all(torch.equal(x, y) for x, y in zip(before, inputs)), "an input was modified"
@@ -91,6 +98,63 @@ def test_half_precision(fk, poisoned_empty, dtype, reduction, with_bias):
     check(fk, hidden, weight, bias, target, reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("all_options", [False, True])
+def test_low_memory_against_reference(fk, poisoned_empty, dtype, reduction, all_options):
+    """The vocabulary-sliced algorithm, slices crossing the vocabulary at odd offsets, against float64."""
+    torch.manual_seed(8)
+    hidden, weight, bias, target = make_inputs(SHAPE, dtype, with_bias=True)
+    class_weight = torch.rand(SHAPE[-1], device=DEVICE) + 0.1 if all_options else None
+    options = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0) if all_options else {}
+    check(fk, hidden, weight, bias, target, class_weight, reduction=reduction, algorithm=ALGORITHMS["low_memory"],
+          **options)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_low_memory_equals_default(fk, reduction):
+    """Both algorithms give the same loss, z-loss and gradients (fp32: they differ only in summation order)."""
+    torch.manual_seed(9)
+    hidden, weight, bias, target = make_inputs(SHAPE, torch.float32, with_bias=True)
+    class_weight = torch.rand(SHAPE[-1], device=DEVICE) + 0.1
+    grad = None
+    results = []
+    for algorithm in ALGORITHMS.values():
+        h, w, b = leaf(hidden), leaf(weight), leaf(bias)
+        loss, z_loss = fk.fused_linear_cross_entropy(h, w, target, b, class_weight=class_weight, reduction=reduction,
+                                                     label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0,
+                                                     return_z_loss=True, chunk_tokens=CHUNK, **algorithm)
+        grad = torch.randn(loss.shape, device=DEVICE) if grad is None else grad
+        loss.backward(grad)
+        results.append((loss, z_loss, h.grad, w.grad, b.grad))
+    for name, a, b in zip(("loss", "z_loss", "dhidden", "dweight", "dbias"), *results):
+        assert rel_err(b, a) < 1e-6, name
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_no_tokens(fk, algorithm):
+    hidden, weight, bias, target = make_inputs((0, 16, 300), torch.float32, with_bias=True)
+    h, w, b = leaf(hidden), leaf(weight), leaf(bias)
+    loss = fk.fused_linear_cross_entropy(h, w, target, b, reduction="sum", **ALGORITHMS[algorithm])
+    loss.backward()
+    assert loss.item() == 0 and h.grad.shape == hidden.shape
+    assert not w.grad.any() and not b.grad.any()
+
+
+def test_weight_gradient_rounds_in_place(fk):
+    """The fp32 sums rounded into the first half of their own bytes equal a plain rounding, bit for bit, for
+    sizes around the doubling steps."""
+    round_in_place = fk.fused_linear_cross_entropy.__globals__["_round_in_place"]
+    for n in (0, 1, 2, 3, 63, 64, 65, 127, 128, 1000, 4097):
+        for dtype in (torch.float16, torch.bfloat16):
+            storage = torch.empty(2 * n, dtype=dtype, device=DEVICE)
+            src = storage.view(torch.float32)
+            src.copy_(torch.randn(n, device=DEVICE) * 100)
+            expected = src.to(dtype)
+            round_in_place(src, storage[:n])
+            assert torch.equal(storage[:n], expected), (n, dtype)
+
+
 def test_chunk_size_does_not_change_the_result(fk):
     """Any chunking gives the same loss and gradients (fp32; summation order differs only across chunks)."""
     torch.manual_seed(2)
@@ -109,6 +173,7 @@ def test_default_chunk_follows_the_memory_budget(fk):
     flce = fk.fused_linear_cross_entropy.__globals__
     chunk_tokens_for, budget = flce["chunk_tokens_for"], flce["CHUNK_BYTES"]
     assert chunk_tokens_for(8192, 151936, 2) == 2752  # three chunks of 0.84 GB for Qwen3's vocabulary
+    assert flce["chunk_vocab_for"](8192, 151936, 2) == 8000  # 19 slices of 131 MB
     assert chunk_tokens_for(100, 32000, 2) == 100
     for n_tokens, vocab in [(8192, 151936), (65536, 262144), (1, 10**6), (5000, 128256)]:
         chunk = chunk_tokens_for(n_tokens, vocab, 2)
@@ -137,14 +202,16 @@ def test_equals_cross_entropy_on_explicit_logits(fk, reduction):
     reduction=st.sampled_from(REDUCTIONS),
     with_bias=st.booleans(),
     label_smoothing=st.sampled_from([0.0, 0.1]),
+    chunk_vocab=st.one_of(st.none(), st.integers(1, 64 if not ON_GPU else 20000)),
 )
 def test_property_random_shapes(fk, n_tokens, n_hidden, vocab, chunk_tokens, dtype, reduction, with_bias,
-                                label_smoothing):
+                                label_smoothing, chunk_vocab):
     torch.manual_seed(n_tokens * 1009 + vocab)
     hidden, weight, bias, target = make_inputs((n_tokens, n_hidden, vocab), dtype, with_bias)
     # A one-column hidden state gives GEMMs without any summation, where error ratios are meaningless.
+    algorithm = None if chunk_vocab is None else {"low_memory": True, "chunk_vocab": chunk_vocab}
     check(fk, hidden, weight, bias, target, chunk_tokens=chunk_tokens, reduction=reduction,
-          label_smoothing=label_smoothing, k=2.0 if n_hidden > 1 else 10.0)
+          label_smoothing=label_smoothing, k=2.0 if n_hidden > 1 else 10.0, algorithm=algorithm)
 
 
 def test_tied_embedding_weight(fk):
@@ -165,14 +232,15 @@ def test_tied_embedding_weight(fk):
     assert rel_err(ours_w.grad, ref_w.grad) < 1e-5
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("view", ["row_slice", "transposed"])
-def test_weight_that_is_a_view(fk, view):
+def test_weight_that_is_a_view(fk, view, algorithm):
     torch.manual_seed(5)
     hidden, weight, bias, target = make_inputs(SHAPE, torch.float32, with_bias=True)
     base = leaf(torch.cat([weight, weight[:7]]) if view == "row_slice" else weight.t().contiguous())
     weight_view = base[: weight.shape[0]] if view == "row_slice" else base.t()
     h = leaf(hidden)
-    fk.fused_linear_cross_entropy(h, weight_view, target, bias, chunk_tokens=CHUNK).backward()
+    fk.fused_linear_cross_entropy(h, weight_view, target, bias, chunk_tokens=CHUNK, **ALGORITHMS[algorithm]).backward()
     hr, wr = leaf(hidden.double()), leaf(weight.double())
     F.cross_entropy(F.linear(hr, wr, bias.double()).reshape(-1, weight.shape[0]), target.reshape(-1)).backward()
     grad_weight = base.grad[: weight.shape[0]] if view == "row_slice" else base.grad.t()
@@ -255,6 +323,9 @@ BAD_INPUTS = [
     (_bad(bias=lambda d: torch.randn(15, device=d)), ValueError, r"bias must be a \(16,\) tensor"),
     (_bad(class_weight=lambda d: torch.rand(15, device=d)), ValueError, r"class_weight must have shape \(16,\)"),
     (_bad(chunk_tokens=0), ValueError, "chunk_tokens must be a positive int"),
+    (_bad(low_memory=True, chunk_vocab=0), ValueError, "chunk_vocab must be a positive int or None"),
+    (_bad(chunk_vocab=8), ValueError, "chunk_vocab only applies with low_memory=True"),
+    (_bad(low_memory="yes"), TypeError, "low_memory must be a bool"),
     (_bad(reduction="avg"), ValueError, "reduction must be one of"),
     (_bad(softcap=-1.0), ValueError, "softcap must be"),
 ]
@@ -271,22 +342,23 @@ def test_bad_inputs_raise_clear_errors(fk, case):
 # torch.library integration.
 # ----------------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("chunk_vocab", [None, 16])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_opcheck(fk, reduction):
+def test_opcheck(fk, reduction, chunk_vocab):
     hidden, weight, bias, target = make_inputs((6, 8, 40) if not ON_GPU else (64, 256, 4096), torch.float32, True)
     args = (leaf(hidden), leaf(weight), target, leaf(bias), None, -100, reduction, 0.1, 1e-4, None, True, 4,
-            True, True, True)
+            chunk_vocab, True, True, True)
     torch.library.opcheck(fk._ops.ops.fused_linear_cross_entropy, args)
 
 
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_compile_fullgraph(fk, reduction):
+@pytest.mark.parametrize("reduction, algorithm", [(r, "default") for r in REDUCTIONS] + [("none", "low_memory")])
+def test_compile_fullgraph(fk, reduction, algorithm):
     torch._dynamo.reset()
     hidden, weight, bias, target = make_inputs(SHAPE, torch.float32, with_bias=True)
 
     def step(hidden, weight, bias):
         return fk.fused_linear_cross_entropy(torch.tanh(hidden), weight, target, bias, reduction=reduction,
-                                             label_smoothing=0.1, chunk_tokens=CHUNK)
+                                             label_smoothing=0.1, chunk_tokens=CHUNK, **ALGORITHMS[algorithm])
 
     compiled = torch.compile(step, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
     eager_args, compiled_args = [leaf(t) for t in (hidden, weight, bias)], [leaf(t) for t in (hidden, weight, bias)]
@@ -302,13 +374,15 @@ def test_compile_fullgraph(fk, reduction):
 # The torch-cpu variant.
 # ----------------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_torch_cpu_variant_matches_reference(fk_cpu, poisoned_empty, reduction, dtype):
+def test_torch_cpu_variant_matches_reference(fk_cpu, poisoned_empty, reduction, dtype, algorithm):
     torch.manual_seed(6)
     hidden, weight, bias, target = make_inputs((3, 5, 32, 300), dtype, with_bias=True, device="cpu")
     check(fk_cpu, hidden, weight, bias, target, torch.rand(300) + 0.1, reduction=reduction, label_smoothing=0.1,
-          lse_square_scale=1e-4, softcap=20.0, k=2.0)
+          lse_square_scale=1e-4, softcap=20.0, k=2.0,
+          algorithm={"low_memory": True, "chunk_vocab": 37} if algorithm == "low_memory" else None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -324,20 +398,28 @@ def test_bf16_real_shapes(fk, shape):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="peak memory is measured with torch.cuda")
-def test_peak_memory_is_bounded_by_a_chunk(fk):
-    """32k tokens of a 152k vocabulary: the logits alone would be 19.9 GB in fp32 (10 GB in bf16). Ours: one
-    chunk of logits, the fp32 weight-gradient buffer and its bf16 rounding, and the hidden gradient (twice, in
-    case autograd copies it into .grad)."""
-    n_tokens, n_hidden, vocab, chunk = 32768, 1024, 151936, 2048
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_peak_memory_is_bounded(fk, algorithm):
+    """32k tokens of a 152k vocabulary: the logits alone would be 19.9 GB in fp32 (10 GB in bf16). Default: one
+    chunk of logits and the fp32 weight-gradient sums, which the bf16 gradient is rounded into in place (no
+    separate copy). Low memory: the bf16 weight gradient, one (tokens, slice) block of logits and the fp32
+    hidden-gradient sum. Both: the hidden gradient (twice, in case autograd copies it into .grad)."""
+    n_tokens, n_hidden, vocab, chunk, width = 32768, 1024, 151936, 2048, 2048
     hidden, weight, _, target = make_inputs((n_tokens, n_hidden, vocab), torch.bfloat16)
     h, w = leaf(hidden), leaf(weight)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    fk.fused_linear_cross_entropy(h, w, target, chunk_tokens=chunk).backward()
+    low = algorithm == "low_memory"
+    fk.fused_linear_cross_entropy(h, w, target, chunk_tokens=chunk, **({"low_memory": True, "chunk_vocab": width}
+                                                                        if low else {})).backward()
     torch.cuda.synchronize()
     peak_extra = torch.cuda.max_memory_allocated() - held
-    bound = chunk * vocab * 2 + vocab * n_hidden * (4 + 2) + 2 * n_tokens * n_hidden * 2 + 64 * 2**20
+    if low:
+        bound = vocab * n_hidden * 2 + n_tokens * width * 2 + n_tokens * n_hidden * 4
+    else:
+        bound = chunk * vocab * 2 + vocab * n_hidden * 4
+    bound += 2 * n_tokens * n_hidden * 2 + 64 * 2**20
     assert peak_extra <= bound, f"peak extra {peak_extra / 2**30:.2f} GiB > bound {bound / 2**30:.2f} GiB"
     assert peak_extra < n_tokens * vocab * 2 / 4
 
@@ -359,17 +441,18 @@ def _tiny_llama(dtype):
     return TinyLlama(config).to(device=DEVICE, dtype=dtype)
 
 
+@pytest.mark.parametrize("layer", ["FusedLinearCrossEntropyForCausalLM", "LowMemoryFusedLinearCrossEntropyForCausalLM"])
 @pytest.mark.parametrize("variant", ["selected"] if ON_GPU else ["torch-cpu", "torch-cuda"])
-def test_causal_lm_layer_matches_the_stock_model(build_dir, variant):
+def test_causal_lm_layer_matches_the_stock_model(build_dir, variant, layer):
     from kernels import LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
 
-    name = "FusedLinearCrossEntropyForCausalLM"
+    name = "FusedLinearCrossEntropyForCausalLM"  # the model's layer name, mapped to either of our layers
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     reference = _tiny_llama(dtype).train()
     patched = copy.deepcopy(reference)
     replace_kernel_forward_from_hub(type(patched), name)
     path = build_dir if ON_GPU else build_dir / variant
-    with use_kernel_mapping({name: {DEVICE.type: LocalLayerRepository(path, layer_name=name)}}, inherit_mapping=False):
+    with use_kernel_mapping({name: {DEVICE.type: LocalLayerRepository(path, layer_name=layer)}}, inherit_mapping=False):
         patched = kernelize(patched, mode=Mode.TRAINING, device=DEVICE.type)
     assert patched.forward.__func__.__module__.endswith(".layers"), "kernelize did not swap in the Hub layer"
 

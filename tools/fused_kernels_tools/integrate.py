@@ -15,10 +15,12 @@ from kernels import (
 )
 
 
-def use_fused_kernels(model, repo_id="myorg/fused-kernels", revision="v2"):
+def use_fused_kernels(model, repo_id="myorg/fused-kernels", revision="v2", low_memory_loss=False):
     """Swap RMSNorm, RoPE, the gated MLP, the causal-LM loss and attention of a Llama, Qwen2/Qwen3, Mistral or
     Gemma-2 model (on its current device: CUDA, or CPU with the torch-cpu variant) for the Hub layers of
-    `repo_id` at `revision`. Loads from the Hub, or from a local build through LOCAL_KERNELS. Returns the model."""
+    `repo_id` at `revision`. Loads from the Hub, or from a local build through LOCAL_KERNELS. `low_memory_loss`:
+    the loss uses fused linear cross-entropy's low-memory algorithm (more compute, no fp32 weight-gradient
+    buffer). Returns the model."""
     config = model.config
     gemma = config.model_type.startswith("gemma")
     activation = config.hidden_activation if gemma else config.hidden_act
@@ -26,8 +28,9 @@ def use_fused_kernels(model, repo_id="myorg/fused-kernels", revision="v2"):
         raise ValueError(f"{type(model).__name__}: no fused MLP layer for the activation {activation!r}")
     # Gemma's norms scale by (1 + weight) in fp32 and its MLPs gate with the tanh GELU.
     mlp = "GeGLUMLP" if gemma else "SwiGLUMLP"
+    loss = "LowMemoryFusedLinearCrossEntropyForCausalLM" if low_memory_loss else "FusedLinearCrossEntropyForCausalLM"
     layers = {"RMSNorm": "GemmaRMSNorm" if gemma else "RMSNorm", "rotary_pos_emb": "ApplyRotaryPosEmb", mlp: mlp,
-              "FusedLinearCrossEntropyForCausalLM": "FusedLinearCrossEntropyForCausalLM"}  # model's name: our layer
+              "FusedLinearCrossEntropyForCausalLM": loss}  # model's name: our layer
 
     # transformers declares "RMSNorm" (except on Gemma-2's norm) and "rotary_pos_emb" itself; the MLP and the
     # causal-LM forward get layer names here. This sets class attributes (kernel_layer_name), which only

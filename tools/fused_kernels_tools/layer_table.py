@@ -14,6 +14,13 @@ class whose forward has the function's signature plus `self`, and kernelize vali
 that class, so `check` does the same.
 """
 
+_CAUSAL_LMS = (
+    "transformers.models.llama.modeling_llama.LlamaForCausalLM",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM",
+    "transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM",
+    "transformers.models.mistral.modeling_mistral.MistralForCausalLM",
+)
+
 LAYER_TABLE: dict[str, tuple[str, ...]] = {
     "RMSNorm": (
         "transformers.models.llama.modeling_llama.LlamaRMSNorm",
@@ -44,10 +51,6 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb",
         "transformers.models.mistral.modeling_mistral.apply_rotary_pos_emb",
     ),
-    "FusedLinearCrossEntropyForCausalLM": (
-        "transformers.models.llama.modeling_llama.LlamaForCausalLM",
-        "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM",
-        "transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM",
-        "transformers.models.mistral.modeling_mistral.MistralForCausalLM",
-    ),
+    "FusedLinearCrossEntropyForCausalLM": _CAUSAL_LMS,
+    "LowMemoryFusedLinearCrossEntropyForCausalLM": _CAUSAL_LMS,
 }

@@ -127,8 +127,8 @@ def loss_constants(target: torch.Tensor, weight, n_classes: int, opts: LossOptio
 
 
 def _torch_rows(logits, target, weight, constants, opts, loss, z_loss, row_stats, dlogits, grad_out, loss_pass,
-                grad_pass):
-    n_classes = logits.shape[1]
+                grad_pass, n_classes, col_start):
+    n_cols = logits.shape[1]
     eps, cap = opts.label_smoothing, opts.softcap
     z = logits.float()
     tanh = torch.tanh(z / cap) if cap is not None else None
@@ -142,7 +142,9 @@ def _torch_rows(logits, target, weight, constants, opts, loss, z_loss, row_stats
     r = torch.where(constants[0] != 0, 1.0 / constants[0], 0.0) if opts.reduction == "mean" else 1.0
     nan = float("nan")
     if loss_pass:
-        row_max = torch.where(counted, x.amax(dim=1), 0.0)
+        # As in the kernel: a row whose logits are all -inf is shifted by 0 (its lse is then -inf, not NaN).
+        row_max = x.amax(dim=1)
+        row_max = torch.where(counted & (row_max > float("-inf")), row_max, 0.0)
         log_sum = torch.where(counted, (x - row_max[:, None]).exp().sum(1).log(), 0.0)
         row_stats.copy_(torch.stack([row_max, log_sum], dim=1))
     row_max, log_sum = row_stats.unbind(1)
@@ -160,11 +162,15 @@ def _torch_rows(logits, target, weight, constants, opts, loss, z_loss, row_stats
         coef_y = torch.where(ignored | counted, scale * (1 - eps) * w_y, nan)
         p = torch.exp((torch.where(counted[:, None], x, 0.0) - row_max[:, None]) - log_sum[:, None])
         # coef_y * (p - onehot): p - 1 is exact near 1, keeping a confident target's small gradient. The
-        # smoothing and z-loss terms stay separate, so each cancels only against its own kind.
-        dx = coef_y[:, None] * p.scatter_add(1, y[:, None], -torch.ones_like(p[:, :1]))
+        # smoothing and z-loss terms stay separate, so each cancels only against its own kind. The target's
+        # column, where it lies in this block of columns.
+        local_y = y - col_start
+        hit = (local_y >= 0) & (local_y < n_cols)
+        dx = coef_y[:, None] * p.scatter_add(1, torch.where(hit, local_y, 0)[:, None], -hit[:, None].to(p.dtype))
         if eps > 0:
             smoothing = (scale * eps / n_classes)[:, None]
-            dx = dx + smoothing * (weight_sum * p - (w[None, :] if w is not None else 1.0))
+            w_cols = w[None, col_start:col_start + n_cols] if w is not None else 1.0
+            dx = dx + smoothing * (weight_sum * p - w_cols)
         dx = dx + (scale * 2 * opts.lse_square_scale * row_lse)[:, None] * p
         if cap is not None:
             dx = dx * (1 - tanh * tanh)
@@ -173,13 +179,19 @@ def _torch_rows(logits, target, weight, constants, opts, loss, z_loss, row_stats
 
 def loss_rows(logits, target, weight, constants, opts: LossOptions, *, loss=None, z_loss=None, row_stats,
               dlogits=None,
-              grad_out=None, loss_pass: bool, grad_pass: bool):
+              grad_out=None, loss_pass: bool, grad_pass: bool, n_classes: int | None = None, col_start: int = 0):
     """Per-row losses and/or gradients of the 2-D ``logits`` against the flat ``target``.
 
     ``loss_pass`` writes ``loss`` and ``z_loss`` (optional; fp32, one per row, already multiplied by 1 / D under
     reduction "mean") and ``row_stats`` (``new_row_stats``: each row's log-sum-exp as max and log of the shifted
     sum). ``grad_pass`` writes the gradient into ``dlogits`` (may be ``logits`` itself), reading ``row_stats``
-    when there is no loss pass, times ``grad_out`` when given (one per row, or one)."""
+    when there is no loss pass, times ``grad_out`` when given (one per row, or one).
+    A gradient pass alone may take a column slice: ``logits`` then holds columns ``[col_start, col_start +
+    logits.shape[1])`` of rows of ``n_classes`` classes (default: whole rows)."""
+    n_classes = logits.shape[1] if n_classes is None else n_classes
+    if loss_pass and (col_start != 0 or n_classes != logits.shape[1]):
+        raise ValueError(f"a loss pass needs whole rows, got columns [{col_start}, {col_start + logits.shape[1]}) "
+                         f"of {n_classes}")
     if logits.shape[0] == 0:
         return
     if _checks.runs_triton(logits):
@@ -188,10 +200,11 @@ def loss_rows(logits, target, weight, constants, opts: LossOptions, *, loss=None
             logits, target, weight, constants, loss, z_loss, row_stats, dlogits, grad_out, logits.shape[0],
             logits.shape[1], opts.ignore_index, opts.label_smoothing, opts.lse_square_scale, opts.softcap,
             opts.reduction == "mean", loss_pass=loss_pass, grad_pass=grad_pass, block_cols=config["block_cols"],
-            num_warps=config["num_warps"], num_programs=_programs(config, logits.device))
+            num_warps=config["num_warps"], num_programs=_programs(config, logits.device), n_classes=n_classes,
+            col_start=col_start)
     else:
         _torch_rows(logits, target, weight, constants, opts, loss, z_loss, row_stats, dlogits, grad_out, loss_pass,
-                    grad_pass)
+                    grad_pass, n_classes, col_start)
 
 
 def new_row_stats(n_rows: int, device) -> torch.Tensor:

@@ -128,6 +128,36 @@ def _causal_lm_output_type(model: nn.Module) -> type:
                     "modules of its classes)")
 
 
+def _causal_lm_forward(model, low_memory, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                       labels, use_cache, logits_to_keep, kwargs):
+    """The forward of the two causal-LM layers below (a Hub layer may hold no helper of its own)."""
+    outputs = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                          **kwargs)
+    hidden_states = outputs.last_hidden_state
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    loss = logits = None
+    if model.training and labels is not None:
+        shift_labels = kwargs.get("shift_labels")
+        if shift_labels is None:
+            shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        num_items = kwargs.get("num_items_in_batch")
+        loss = fused_linear_cross_entropy(hidden_states, model.lm_head.weight, shift_labels.to(hidden_states.device),
+                                          model.lm_head.bias, reduction="mean" if num_items is None else "sum",
+                                          softcap=softcap, low_memory=low_memory)
+        if num_items is not None:
+            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    else:
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = model.lm_head(hidden_states[:, keep, :])
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if labels is not None:
+            loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs)
+    return _causal_lm_output_type(model)(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                         hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
 class FusedLinearCrossEntropyForCausalLM(nn.Module):
     """Replaces the forward of a transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
     ``Qwen3ForCausalLM``, ``MistralForCausalLM``): in training with ``labels``, the loss comes from
@@ -153,28 +183,23 @@ class FusedLinearCrossEntropyForCausalLM(nn.Module):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                             **kwargs)
-        hidden_states = outputs.last_hidden_state
-        softcap = getattr(self.config, "final_logit_softcapping", None)
-        loss = logits = None
-        if self.training and labels is not None:
-            shift_labels = kwargs.get("shift_labels")
-            if shift_labels is None:
-                shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-            num_items = kwargs.get("num_items_in_batch")
-            loss = fused_linear_cross_entropy(hidden_states, self.lm_head.weight, shift_labels.to(hidden_states.device),
-                                              self.lm_head.bias, reduction="mean" if num_items is None else "sum",
-                                              softcap=softcap)
-            if num_items is not None:
-                loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-        else:
-            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            logits = self.lm_head(hidden_states[:, keep, :])
-            if softcap is not None:
-                logits = torch.tanh(logits / softcap) * softcap
-            if labels is not None:
-                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return _causal_lm_output_type(self)(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                           hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        return _causal_lm_forward(self, False, input_ids, attention_mask, position_ids, past_key_values,
+                                  inputs_embeds, labels, use_cache, logits_to_keep, kwargs)
+
+
+class LowMemoryFusedLinearCrossEntropyForCausalLM(nn.Module):
+    """``FusedLinearCrossEntropyForCausalLM`` with ``fused_linear_cross_entropy(..., low_memory=True)``: about a
+    third more LM-head GEMM work, and no fp32 ``(vocab, hidden)`` weight-gradient sum (README). Map the model's
+    ``FusedLinearCrossEntropyForCausalLM`` layer name to this layer to use it."""
+
+    model: nn.Module
+    lm_head: nn.Linear
+    config: object
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        return _causal_lm_forward(self, True, input_ids, attention_mask, position_ids, past_key_values,
+                                  inputs_embeds, labels, use_cache, logits_to_keep, kwargs)
