@@ -292,7 +292,7 @@ def _peak_extra_mib(call: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - held) / 2**20
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
@@ -335,7 +335,7 @@ def _measure(bench, case, mode, name, provider, input_sets, grad_sets, reference
                 leaf.grad = None
             row.peak_mib = _peak_extra_mib(calls[0])
     except Exception as error:  # a provider that cannot run a shape is recorded, not fatal
-        row.status, row.note = "unsupported", _first_line(error)
+        row.status, row.note = "unsupported", first_line(error)
         if env.on_gpu:
             torch.cuda.empty_cache()
     finally:

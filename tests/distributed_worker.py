@@ -11,19 +11,16 @@ global loss. CPU runs use gloo and the torch-cpu variant; CUDA runs NCCL, one GP
 """
 
 import argparse
-import datetime
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from fused_kernels_tools import engines  # noqa: E402
 from fused_kernels_tools.integrate import use_fused_kernels  # noqa: E402
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -37,19 +34,14 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--engine", choices=("single", "ddp", "fsdp2"), required=True)
+    parser.add_argument("--engine", choices=engines.ENGINES, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
     args = parser.parse_args()
 
-    on_gpu = torch.cuda.is_available()
-    # A short collective timeout: a rank that dies or stalls fails the run in a minute instead of hanging it.
-    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(seconds=90))
+    device = engines.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)
 
     torch.manual_seed(0)  # the same initial weights on every rank and in the single-process run
     config = AutoConfig.for_model("qwen3", **SIZES)
@@ -60,14 +52,7 @@ def main():
         # Each decoder layer's forward (our kernels included) runs again in the backward.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     names = [name for name, _ in model.named_parameters()]
-    if args.engine == "ddp":
-        model = DistributedDataParallel(model)
-    elif args.engine == "fsdp2":
-        for layer in model.model.layers:
-            fully_shard(layer)
-        # The root unit owns the embeddings, the final norm and lm_head: the fused loss reads lm_head's weight
-        # inside the model's forward, where the root's pre-forward hook has gathered it.
-        fully_shard(model)
+    model = engines.wrap(model, args.engine)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     tokens = torch.randint(0, SIZES["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -85,12 +70,7 @@ def main():
         losses.append(global_loss.item() / world)
     if rank == 0:
         torch.save({"losses": losses, "grads": first_grads, "world": world}, args.out)
-    # Every rank leaves together, then skips the process-group and interpreter teardown: a gloo rank tearing
-    # down while its peer still exits was seen to hang for good (one in a few runs on the CPU machines).
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    engines.leave()
 
 
 if __name__ == "__main__":
