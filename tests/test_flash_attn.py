@@ -327,6 +327,28 @@ def test_torch_cpu_variant_matches_reference(fk_cpu):
         torch.testing.assert_close(ours.float(), want.float(), atol=5e-3, rtol=5e-3)
 
 
+def test_torch_cpu_variant_compiles(fk_cpu):
+    """The compiled backward graph calls the backward op, whose PyTorch implementation then runs below the
+    autograd dispatch key (it once failed there with "does not require grad")."""
+    torch._dynamo.reset()
+    torch.manual_seed(12)
+    q, k, v = (t.cpu() for t in make_qkv(2, 9, 9, 4, 2, 16, torch.float16))
+    sink = torch.randn(4)
+
+    def attention(q, k, v, sink):
+        return fk_cpu.flash_attn_func(q, k, v, causal=True, s_aux=sink)
+
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
+    eager_args, compiled_args = leaves(q, k, v, sink), leaves(q, k, v, sink)
+    eager_out, compiled_out = attention(*eager_args), compiled(*compiled_args)
+    dout = torch.randn_like(eager_out)
+    eager_out.backward(dout)
+    compiled_out.backward(dout)
+    torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=0)
+    for a, b in zip(eager_args, compiled_args):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+
+
 def test_opcheck(fk):
     dtype = torch.bfloat16 if ON_GPU else torch.float16
     q, k, v = leaves(*make_qkv(2, 64, 64, 4, 2, 64, dtype) if ON_GPU else make_qkv(1, 16, 16, 2, 1, 16, dtype))

@@ -11,36 +11,38 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 ENGINES = ("single", "ddp", "fsdp2")
 
 
-def init_distributed(timeout_s: float = 90) -> torch.device:
-    """Join torchrun's process group; returns this rank's device."""
-    on_gpu = torch.cuda.is_available()
+def init_distributed(on_gpu: bool | None = None, timeout_s: float = 90) -> torch.device:
+    """Join torchrun's process group (NCCL on GPUs, else gloo; default: GPUs when there are any); returns this
+    rank's device."""
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)  # before NCCL makes its communicators on the current device
     # A short collective timeout: a rank that dies or stalls fails the run in a minute or two instead of hanging it.
     dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    if not on_gpu:
-        return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
     return device
 
 
-def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
-    """`model` under `engine`: "single" (unwrapped), "ddp", or "fsdp2" (one unit per decoder layer plus the root)."""
+def wrap(model: torch.nn.Module, engine: str, mp_policy: MixedPrecisionPolicy | None = None) -> torch.nn.Module:
+    """`model` under `engine`: "single" (unwrapped), "ddp", or "fsdp2" (one unit per decoder layer plus the root,
+    with `mp_policy` when given)."""
     if engine == "single":
         return model
     if engine == "ddp":
         return DistributedDataParallel(model)
     if engine == "fsdp2":
+        policy = mp_policy or MixedPrecisionPolicy()
         for layer in model.model.layers:
-            fully_shard(layer)
+            fully_shard(layer, mp_policy=policy)
         # The root unit owns the embeddings, the final norm and lm_head: the fused loss reads lm_head's weight
         # inside the model's forward, where the root's pre-forward hook has gathered it.
-        fully_shard(model)
+        fully_shard(model, mp_policy=policy)
         return model
     raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
 

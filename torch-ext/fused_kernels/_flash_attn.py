@@ -239,13 +239,17 @@ def _backward_impl(dout, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, ma
 
 
 def _torch_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, scale, window, softcap, s_aux, seed):
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    sink = s_aux.detach().float().requires_grad_() if s_aux is not None else None
-    with torch.enable_grad():
-        out, _ = _torch_attention(*leaves, cu_seqlens_q, cu_seqlens_k, dropout_p, scale, window, softcap, sink, seed)
-        inputs = leaves + ([sink] if sink is not None else [])
-        grads = torch.autograd.grad(out, inputs, dout.float(), allow_unused=True)
-    dq, dk, dv = (torch.zeros_like(t) if g is None else g.to(t.dtype) for g, t in zip(grads[:3], (q, k, v)))
+    # torch.func.vjp, not torch.autograd.grad: called as the backward op (torch.compile's backward graphs call it,
+    # as does the op's autograd registration), this runs below the autograd dispatch key, where enable_grad
+    # records nothing; vjp tracks gradients itself. Inputs that do not reach the output get zero gradients.
+    def attention(q, k, v, *sink):
+        return _torch_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, scale, window, softcap,
+                                sink[0] if sink else None, seed)[0]
+
+    sink = (s_aux.detach().float(),) if s_aux is not None else ()
+    _, pullback = torch.func.vjp(attention, q.detach(), k.detach(), v.detach(), *sink)
+    grads = pullback(dout.float())
+    dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads[:3], (q, k, v)))
     dsink = grads[3].to(s_aux.dtype) if s_aux is not None else None
     return dq, dk, dv, dsink
 
