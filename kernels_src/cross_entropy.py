@@ -95,26 +95,35 @@ def _cross_entropy_kernel(
         if LOSS_PASS:
             running_max = tl.full((), float("-inf"), tl.float32)
             running_sum = tl.full((), 0.0, tl.float32)
-            weighted_sum = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
+            # Label smoothing needs sum_c w_c * (lse - x_c) = sum_c w_c * (max - x_c) + W * log(sum): kept as a sum
+            # of non-negative terms measured from the current shift, never as W * lse - sum_c w_c * x_c, which
+            # cancels catastrophically when the logits are large or the vocabulary tiny.
+            gap_sum = tl.full((), 0.0, tl.float32)
+            seen_weight = tl.full((), 0.0, tl.float32)
+            shift = tl.full((), 0.0, tl.float32)
             for start in range(0, n_read, BLOCK_COLS):
                 cols = start + tl.arange(0, BLOCK_COLS)
                 mask = cols < n_cols
                 z = tl.load(row_ptr + cols * logits_stride_col, mask=mask, other=0.0).to(tl.float32)
                 x, _ = _soft_cap(z, softcap, HAS_SOFTCAP)
-                if HAS_SMOOTHING:  # (lanes past the row end hold x = 0 here)
-                    if HAS_WEIGHT:
-                        weighted_sum += tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) * x
-                    else:
-                        weighted_sum += x
                 x = tl.where(mask, x, float("-inf"))
                 new_max = tl.maximum(running_max, tl.max(x, axis=0))
                 # While every logit so far is -inf, subtract 0 instead of -inf (exp(-inf - -inf) would be NaN).
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-                running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+                new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                running_sum = running_sum * tl.exp(running_max - new_shift) + tl.sum(tl.exp(x - new_shift), axis=0)
+                if HAS_SMOOTHING:
+                    if HAS_WEIGHT:
+                        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                    else:
+                        w = tl.where(mask, 1.0, 0.0)
+                    gap_sum += seen_weight * (new_shift - shift)
+                    gap_sum += tl.sum(tl.where(mask, w * (new_shift - x), 0.0), axis=0)
+                    seen_weight += tl.sum(w, axis=0)
                 running_max = new_max
+                shift = new_shift
             # Rows that are not counted read nothing: give them lse 0 rather than log(0), which keeps -inf and NaN
             # out of their (discarded) arithmetic.
-            row_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+            row_max = shift
             log_sum = tl.log(tl.where(counted, running_sum, 1.0))
             lse = row_max + log_sum
             x_y, _ = _soft_cap(tl.load(row_ptr + y_safe * logits_stride_col, mask=counted, other=0.0).to(tl.float32),
@@ -123,7 +132,7 @@ def _cross_entropy_kernel(
             # log(sum) is not rounded to the ulp of the max first.
             ce = (1.0 - label_smoothing) * w_y * ((row_max - x_y) + log_sum)
             if HAS_SMOOTHING:
-                ce += smoothing_per_class * (weight_sum * lse - tl.sum(weighted_sum, axis=0))
+                ce += smoothing_per_class * (gap_sum + seen_weight * log_sum)
             z_loss = 0.0
             if HAS_Z_LOSS:
                 z_loss = lse_square_scale * lse * lse

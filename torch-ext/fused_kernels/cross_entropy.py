@@ -152,7 +152,9 @@ def _torch_rows(logits, target, weight, constants, opts, loss, z_loss, row_stats
     if loss_pass:
         ce = (1 - eps) * w_y * ((row_max - x.gather(1, y[:, None])[:, 0]) + log_sum)
         if eps > 0:
-            ce = ce + eps / n_classes * (weight_sum * row_lse - (x * w if w is not None else x).sum(1))
+            # sum_c w_c * (lse - x_c) as non-negative terms (see the kernel): no cancellation.
+            gaps = row_max[:, None] - x
+            ce = ce + eps / n_classes * ((gaps * w if w is not None else gaps).sum(1) + weight_sum * log_sum)
         z_part = opts.lse_square_scale * row_lse.square() if opts.lse_square_scale > 0 else torch.zeros_like(ce)
         loss.copy_(torch.where(ignored, 0.0, torch.where(counted, r * (ce + z_part), nan)))
         if z_loss is not None:
