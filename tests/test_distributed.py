@@ -34,14 +34,13 @@ DEVICES = [pytest.param("cpu", id="cpu"),
 GRAD_TOLERANCE = 3e-2
 LOSS_TOLERANCE = 1e-2
 
-# Launches of 2 processes: the runs of one launch (tests/distributed_worker.py names them; "single" runs on rank 0
-# alone) share a start-up (imports, process group), most of a launch's cost. The first is also relaunched for the
+# Launches of 2 processes: the runs of one launch (tests/distributed_worker.py names them) share a start-up
+# (imports, process group), most of a launch's cost. The single-process runs come last: rank 0 runs them alone
+# while rank 1 waits, so they run with the kernels already compiled (a cold Triton cache on the GPU would
+# otherwise keep rank 1 waiting near the collective timeout). The first launch is also relaunched for the
 # reproducibility test.
-LAUNCHES = {
-    "cpu": [("single", "single-mixed", "ddp", "fsdp2", "fsdp2-checkpointing", "fsdp2-mixed"), ("ddp-compile",)],
-    "cuda": [("single", "single-mixed", "ddp", "fsdp2", "fsdp2-checkpointing", "fsdp2-mixed"),
-             ("ddp-compile", "fsdp2-compile")],
-}
+MAIN_LAUNCH = ("ddp", "fsdp2", "fsdp2-checkpointing", "fsdp2-mixed", "single", "single-mixed")
+LAUNCHES = {"cpu": [MAIN_LAUNCH, ("ddp-compile",)], "cuda": [MAIN_LAUNCH, ("ddp-compile", "fsdp2-compile")]}
 # Two processes against the one-process run they must match. The mixed-precision reference is one process with
 # fp32 master weights computing with bf16 copies of them, no autocast (distributed_worker.MasterWeights).
 PARITY = {"ddp": "single", "ddp-compile": "single", "fsdp2": "single", "fsdp2-checkpointing": "single",
@@ -123,7 +122,7 @@ def test_two_processes_match_one(runs, device, name):
 @pytest.mark.parametrize("device", DEVICES)
 def test_runs_are_reproducible(tmp_path, build_dir, runs, device):
     """Deterministic mode: launching the same command again gives the same losses and gradients, bit for bit,
-    for every run of it (single, single-mixed, ddp, fsdp2, fsdp2-checkpointing, fsdp2-mixed)."""
+    for every run of it."""
     names = LAUNCHES[device][0]
     again = launch(tmp_path, build_dir, device, names)
     for name in names:
