@@ -527,16 +527,31 @@ def markdown_report(title: str, header: dict, rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summary_report(header: dict, rows_by_file: dict[str, list[Row]]) -> str:
-    lines = ["# Benchmark summary", "", *_header_lines(header), ""]
+def read_results(out_dir: Path, ops: list[str]) -> dict[str, tuple[dict, list[Row]]]:
+    """The latest run of each op in ``ops`` that has an ``<op>.json`` in ``out_dir``: {op: (header, rows)}."""
+    results = {}
+    for op in ops:
+        path = out_dir / f"{op}.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            results[op] = (data["header"], [Row(**row) for row in data["rows"]])
+    return results
+
+
+def summary_report(results: dict[str, tuple[dict, list[Row]]]) -> str:
+    """One line per op and mode over every op's latest run (``read_results``), so running a few ops keeps the
+    others' lines; each line names the run it comes from."""
+    lines = ["# Benchmark summary", ""]
     lines += [
+        "Each op's latest run (its date and commit in the last columns; device, versions and ceilings in its file).",
         "ours ÷ best peer: geometric mean over shapes, and the worst shape (below 1: faster than every peer).",
         "",
         "| op | mode | shapes | ours fastest | ours ÷ best peer (geomean) | worst | ours % of floor (median) | "
-        "not timed (any provider) | details |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "not timed (any provider) | run | details |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for file_name, rows in rows_by_file.items():
+    for file_name, (header, rows) in results.items():
+        run = f"{header['date'][:10]} {header['fused_kernels']['commit'][:7]}"
         for (op, mode), group in _group(rows, "op", "mode").items():
             ours = [row for row in group if row.provider == OURS and row.ratio_vs_best_peer is not None]
             ratios = [row.ratio_vs_best_peer for row in ours]
@@ -552,7 +567,7 @@ def summary_report(header: dict, rows_by_file: dict[str, list[Row]]) -> str:
             not_timed = sum(row.status != "ok" for row in group)
             lines.append(
                 f"| {op} | {mode} | {shapes} | {wins}/{len(ratios)} | {geomean} | {worst_text} | {floor_text} | "
-                f"{not_timed} | [{file_name}.md]({file_name}.md) |"
+                f"{not_timed} | {run} | [{file_name}.md]({file_name}.md) |"
             )
     return "\n".join(lines) + "\n"
 

@@ -3,9 +3,10 @@
     python benchmarks/run.py [--ops rms_norm ...] [--quick] [--out benchmarks/results/h200]
 
 Builds the package from this checkout (or loads --kernel-path), checks every provider against a float32
-reference, times the ones that pass, and writes <out>/<op>.json, <op>.md, <op>_time.png, <op>_memory.png
-(GPU only) and <out>/summary.md. On a machine without CUDA it runs a slow smoke test: with TRITON_INTERPRET=1 our
-Triton kernels run in the interpreter, timing is wall-clock, and torch.compile and Liger are skipped.
+reference, times the ones that pass, writes <out>/<op>.json, <op>.md, <op>_time.png, <op>_memory.png (GPU
+only), and rebuilds <out>/summary.md from every op's latest <op>.json there. On a machine without CUDA it runs
+a slow smoke test: with TRITON_INTERPRET=1 our Triton kernels run in the interpreter, timing is wall-clock, and
+torch.compile and Liger are skipped.
 """
 
 import argparse
@@ -50,19 +51,18 @@ def main() -> None:
 
         args.out.mkdir(parents=True, exist_ok=True)
         only_providers = set(args.providers) if args.providers else None
-        rows_by_op, reports = {}, []
+        reports = []
         for op in args.ops:
             module = importlib.import_module(f"bench_{op}")
             rows = []
             for bench in module.benchmarks(env):
                 rows += harness.run_benchmark(bench, env, copy_gbps, gemm_tflops, only_providers)
-            rows_by_op[op] = rows
             harness.write_json(args.out / f"{op}.json", header, rows)
             reports.append(harness.markdown_report(op, header, rows))
             (args.out / f"{op}.md").write_text(reports[-1])
             harness.write_plots(args.out / f"{op}_time.png", args.out / f"{op}_memory.png", rows)
 
-    summary = harness.summary_report(header, rows_by_op)
+    summary = harness.summary_report(harness.read_results(args.out, available_ops()))
     (args.out / "summary.md").write_text(summary)
     print("\n" + "\n".join(reports) + "\n" + summary)
     print(f"results written to {args.out}")
