@@ -251,8 +251,8 @@ def _forward(logits, target, weight, opts, return_z_loss, grad_in_forward, inpla
             dlogits = logits2d
         else:
             dlogits = torch.empty((n_rows, n_classes), device=logits.device, dtype=logits.dtype)
-    loss_rows(logits2d, target1d, weight, constants, opts, loss=rows, z_loss=z_rows, row_stats=row_stats, dlogits=dlogits,
-              loss_pass=True, grad_pass=grad_in_forward)
+    loss_rows(logits2d, target1d, weight, constants, opts, loss=rows, z_loss=z_rows, row_stats=row_stats,
+              dlogits=dlogits, loss_pass=True, grad_pass=grad_in_forward)
     loss = reduce_rows(rows, opts, target.shape)
     z_loss = reduce_rows(z_rows, opts, target.shape) if return_z_loss else None
     return loss, z_loss, row_stats, constants, dlogits

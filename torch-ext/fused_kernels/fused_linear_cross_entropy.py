@@ -17,10 +17,10 @@ with an fp32 output), later chunks add into them in the GEMM epilogue (``addmm``
 half-precision operands), and they are rounded to the weight's dtype once at the end (accumulating in bf16
 across chunks is a known cause of divergence). For fp32 weights the buffer is the gradient itself. For half
 precision the rounded gradient's own storage holds the fp32 sums of its first rows (up to half of them, which
-is all it has room for) and a second buffer the rest; the end rounds both into that storage in place (``_WeightGradSum``),
-so no rounded copy coexists with the sums. Each later chunk re-reads and re-writes the sums, so the default
-chunk is as large as the budget allows (``CHUNK_BYTES`` of chunk logits, three chunks for 8192 tokens of a
-152k vocabulary).
+is all it has room for) and a second buffer the rest; the end rounds both into that storage in place
+(``_WeightGradSum``), so no rounded copy coexists with the sums. Each later chunk re-reads and re-writes the
+sums, so the default chunk is as large as the budget allows (``CHUNK_BYTES`` of chunk logits, three chunks for
+8192 tokens of a 152k vocabulary).
 
 Low memory (``low_memory=True``). Instead of an fp32 ``(vocab, hidden)`` sum, the vocabulary goes in the outer
 loop, which needs every token's log-sum-exp first:
@@ -48,8 +48,9 @@ When the gradients are computed. Eager mode, reductions mean/sum: during the for
 and the backward multiplies them in place by the incoming gradient, skipping that on the device when it is
 exactly 1; a second backward through the same graph is refused. Reduction "none": the forward computes only
 the losses, and the backward runs the whole computation again (with low memory: passes A and B) with each
-token's incoming gradient folded into its logits gradient. Under ``torch.compile`` the registered op computes the gradients in the forward when an input
-requires grad, and the backward scales them out of place (or, for "none", recomputes as above).
+token's incoming gradient folded into its logits gradient. Under ``torch.compile`` the registered op computes
+the gradients in the forward when an input requires grad, and the backward scales them out of place (or, for
+"none", recomputes as above).
 
 Everything else (options, NaN for out-of-range targets, fp32 losses) is as in ``cross_entropy``. A NaN row
 (out-of-range target) also makes the weight gradient NaN, since every token contributes to it.
@@ -258,8 +259,8 @@ def _vocab_slices(hidden2d, weight, target1d, bias, class_weight, constants, opt
             torch.addmm(bias[start:end], hidden2d, weight_slice.t(), out=logits)
         else:
             torch.mm(hidden2d, weight_slice.t(), out=logits)
-        loss_rows(logits, target1d, class_weight, constants, opts, row_stats=row_stats, dlogits=logits, grad_out=grad_rows,
-                  loss_pass=False, grad_pass=True, n_classes=vocab, col_start=start)
+        loss_rows(logits, target1d, class_weight, constants, opts, row_stats=row_stats, dlogits=logits,
+                  grad_out=grad_rows, loss_pass=False, grad_pass=True, n_classes=vocab, col_start=start)
         if need_hidden:
             _accumulate(hidden_sum, logits, weight_slice, first=start == 0)
         if need_weight:
