@@ -357,6 +357,88 @@ def test_kernels_and_portable_path_agree(fk, fk_cpu):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The MLP layers' own Function (swiglu.gated_mlp): the activation's output is recomputed, not kept.
+# ----------------------------------------------------------------------------------------------------------
+
+def mlp_modules(hidden, intermediate, bias, dtype):
+    torch.manual_seed(0)
+    mlp = torch.nn.Module()
+    mlp.gate_proj = torch.nn.Linear(hidden, intermediate, bias=bias)
+    mlp.up_proj = torch.nn.Linear(hidden, intermediate, bias=bias)
+    mlp.down_proj = torch.nn.Linear(intermediate, hidden, bias=bias)
+    return mlp.to(device=DEVICE, dtype=dtype)
+
+
+def mlp_step(forward, mlp, x, dout):
+    """Output and the gradients of x and every parameter, after one backward of ``forward(mlp, x)``."""
+    mlp.zero_grad()
+    x = leaf(x)
+    out = forward(mlp, x)
+    out.backward(dout)
+    return out.detach(), x.grad, {name: p.grad for name, p in mlp.named_parameters()}
+
+
+@pytest.mark.parametrize("layer, activation", [("SwiGLUMLP", "silu"), ("GeGLUMLP", "gelu_tanh")])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mlp_layer_matches_references(fk, layer, activation, bias, dtype):
+    mlp = mlp_modules(48, 80, bias, dtype)
+    x, dout = torch.randn(3, 7, 48, device=DEVICE, dtype=dtype), torch.randn(3, 7, 48, device=DEVICE, dtype=dtype)
+
+    def module_forward(module, inputs):  # the replaced module, in its dtype: the error baseline
+        return module.down_proj(reference_module(module.gate_proj(inputs), module.up_proj(inputs), activation))
+
+    def exact_forward(module, inputs):
+        return module.down_proj(reference_float64(module.gate_proj(inputs), module.up_proj(inputs), activation))
+
+    out, dx, grads = mlp_step(getattr(fk.layers, layer).forward, mlp, x, dout)
+    base_out, base_dx, base_grads = mlp_step(module_forward, mlp, x, dout)
+    mlp64 = copy.deepcopy(mlp).double()
+    ref_out, ref_dx, ref_grads = mlp_step(exact_forward, mlp64, x.double(), dout.double())
+    assert out.dtype == dtype and dx.dtype == dtype
+    assert_close_ratio("out", out, base_out, ref_out, 2.0, dtype)
+    assert_close_ratio("dx", dx, base_dx, ref_dx, 3.0, dtype)
+    for name, grad in grads.items():
+        assert grad.dtype == dtype, name
+        assert_close_ratio(name, grad, base_grads[name], ref_grads[name], 3.0, dtype)
+
+
+def saved_activation_bytes(forward, mlp, x):
+    """Bytes of the non-parameter tensors autograd keeps for the backward of ``forward(mlp, x)``."""
+    parameters = {p.data_ptr() for p in mlp.parameters()}
+    kept = {}
+
+    def pack(t):
+        if t.data_ptr() not in parameters:
+            kept[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward(mlp, leaf(x))
+    return sum(kept.values())
+
+
+def test_mlp_layer_keeps_only_its_input_gate_and_up(fk):
+    tokens, hidden, intermediate = 64, 32, 96
+    mlp = mlp_modules(hidden, intermediate, False, torch.float32)
+    x = torch.randn(tokens, hidden, device=DEVICE)
+    ours = saved_activation_bytes(fk.layers.SwiGLUMLP.forward, mlp, x)
+    modules = saved_activation_bytes(lambda m, i: m.down_proj(fk.swiglu(m.gate_proj(i), m.up_proj(i))), mlp, x)
+    assert ours == 4 * tokens * (hidden + 2 * intermediate)  # x, gate(x), up(x)
+    assert modules == ours + 4 * tokens * intermediate  # ... and down_proj's input, act(gate) * up
+
+
+def test_mlp_layer_runs_wrapped_projections_as_modules(fk):
+    """A projection that is not a plain nn.Linear (here one with a forward hook, as LoRA-style wrappers or FSDP2
+    sharding it on its own would be) is called as a module, so its hook runs."""
+    mlp = mlp_modules(16, 24, False, torch.float32)
+    mlp.up_proj.register_forward_hook(lambda module, inputs, output: output * 2.0)
+    x = torch.randn(5, 16, device=DEVICE)
+    want = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    torch.testing.assert_close(fk.layers.SwiGLUMLP.forward(mlp, x), want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Layers, swapped in with kernelize.
 # ----------------------------------------------------------------------------------------------------------
 

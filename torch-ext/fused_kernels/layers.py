@@ -12,7 +12,7 @@ from torch import nn
 from ._rope import apply_rotary_pos_emb
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .rms_norm import rms_norm
-from .swiglu import geglu, gelu_and_mul, silu_and_mul, swiglu
+from .swiglu import gated_mlp, gelu_and_mul, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -44,7 +44,8 @@ class GemmaRMSNorm(nn.Module):
 
 class SwiGLUMLP(nn.Module):
     """Replaces ``LlamaMLP`` and its copies (Qwen2/Qwen3, Mistral, ...) whose ``act_fn`` is SiLU:
-    ``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the gated activation fused (forward and backward).
+    ``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the gated activation fused (forward and backward); in
+    eager mode the activation's output is recomputed in the backward rather than kept (``swiglu.gated_mlp``).
     transformers does not mark these classes kernelizable: see the README for
     ``kernels.replace_kernel_forward_from_hub``."""
 
@@ -56,12 +57,12 @@ class SwiGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, "silu")
 
 
 class GeGLUMLP(nn.Module):
     """Replaces ``GemmaMLP``/``Gemma2MLP``/``Gemma3MLP`` (``act_fn`` = ``gelu_pytorch_tanh``):
-    ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))``."""
+    ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))``, as ``SwiGLUMLP``."""
 
     gate_proj: nn.Linear
     up_proj: nn.Linear
@@ -71,7 +72,7 @@ class GeGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), approximate="tanh"))
+        return gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, "gelu_tanh")
 
 
 class SiluAndMul(nn.Module):

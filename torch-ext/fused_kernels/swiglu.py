@@ -15,6 +15,8 @@ the ``torch-cpu`` variant uses.
 import math
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from . import _checks
 from ._build_info import BACKEND
@@ -245,6 +247,65 @@ def _gated(gate, up, activation):
             return _gated_activation_fused_op(gate, activation)
         return _gated_activation_op(gate, up, activation)
     return _EagerGatedActivation.apply(gate, up, activation)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The whole gated MLP, for the Hub layers.
+# ----------------------------------------------------------------------------------------------------------
+
+class _EagerGatedMLP(torch.autograd.Function):
+    """``down(act(gate(x)) * up(x))`` keeping ``x``, ``gate(x)`` and ``up(x)`` for the backward, but not the
+    activation's output, which the backward recomputes (one elementwise pass, bit for bit the forward's) for the
+    down projection's gradients. Module by module, ``down_proj`` would keep that ``(tokens, intermediate)`` tensor
+    as its input: one per layer, the largest activation of a training step. Gradients are what the modules give
+    (``nn.Linear``'s, in the input dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation):
+        gate = F.linear(x, w_gate, b_gate)
+        up = F.linear(x, w_up, b_up)
+        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
+        ctx.activation = activation
+        return F.linear(_forward(gate, up, activation), w_down, b_down)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
+        need_x, need_w_gate, need_w_up, need_w_down, need_b_gate, need_b_up, need_b_down, _ = ctx.needs_input_grad
+        rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731 - (tokens, features) views for the weight GEMMs
+        d_w_down = rows(dout).t() @ rows(_forward(gate, up, ctx.activation)) if need_w_down else None
+        d_b_down = rows(dout).sum(0) if need_b_down else None
+        d_gate, d_up = _backward(dout @ w_down, gate, up, ctx.activation)
+        d_x = None
+        if need_x:
+            d_x = d_gate @ w_gate
+            d_x += d_up @ w_up
+        d_w_gate = rows(d_gate).t() @ rows(x) if need_w_gate else None
+        d_w_up = rows(d_up).t() @ rows(x) if need_w_up else None
+        d_b_gate = rows(d_gate).sum(0) if need_b_gate else None
+        d_b_up = rows(d_up).sum(0) if need_b_up else None
+        return d_x, d_w_gate, d_w_up, d_w_down, d_b_gate, d_b_up, d_b_down, None
+
+
+def _plain_linear(module) -> bool:
+    """An ``nn.Linear`` whose forward is exactly ``F.linear(x, weight, bias)`` on plain tensors: no subclass
+    (LoRA, quantised layers), no hooks (FSDP2 sharding it on its own, profilers), no DTensor parameters.
+    Anything else must be called as a module, so its own forward and hooks run."""
+    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+            and all(type(p) in (torch.Tensor, nn.Parameter) for p in module.parameters(recurse=False)))
+
+
+def gated_mlp(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module,
+              activation: str) -> torch.Tensor:
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``. In eager mode, with plain ``nn.Linear`` projections and no
+    autocast, one Function that does not keep the activation's output (``_EagerGatedMLP``); otherwise the modules
+    are called (``torch.compile`` plans its own memory, autocast decides its own dtypes)."""
+    lean = (not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type)
+            and all(_plain_linear(m) for m in (gate_proj, up_proj, down_proj)))
+    if not lean:
+        return down_proj(_gated(gate_proj(x), up_proj(x), activation))
+    return _EagerGatedMLP.apply(x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias,
+                                up_proj.bias, down_proj.bias, activation)
 
 
 # ----------------------------------------------------------------------------------------------------------
