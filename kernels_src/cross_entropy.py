@@ -41,7 +41,7 @@ incoming gradient in place, and exits at once when that gradient is exactly 1 (`
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import cdiv, launch
 
 
 @triton.jit
@@ -272,6 +272,6 @@ def scale_(x, scale, *, block, num_warps):
     n_rows, n_cols = x2d.shape
     if x2d.numel() == 0:
         return
-    n_col_blocks = triton.cdiv(n_cols, block)
+    n_col_blocks = cdiv(n_cols, block)
     launch(_scale_kernel, (n_rows * n_col_blocks,), (x2d, scale, n_cols, x2d.stride(0), n_col_blocks),
            dict(BLOCK=block), num_warps)

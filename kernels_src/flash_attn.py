@@ -33,7 +33,7 @@ query tiles of every query head of its group, so the GQA reduction of dK/dV happ
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import cdiv, launch, next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -469,7 +469,7 @@ def _strides3(t, varlen):
 
 def _block_d(head_dim):
     """The head-dim tile: a power of two, at least 16 (the smallest K of a tensor-core dot)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def _lse_strides(lse, varlen):
@@ -497,7 +497,7 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
     threshold, keep_scale = _dropout_args(dropout_p)
     block_m, block_n = tile["block_m"], tile["block_n"]
     launch(
-        _fwd_kernel, (triton.cdiv(seqlen_q, block_m), n_batch * n_heads),
+        _fwd_kernel, (cdiv(seqlen_q, block_m), n_batch * n_heads),
         (q, k, v, out, lse, sink if sink is not None else lse, cu_seqlens_q if varlen else lse,
          cu_seqlens_k if varlen else lse, seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim, scale,
          softcap, window[0], window[1], seed, threshold, keep_scale,
@@ -525,7 +525,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     lse_strides = _lse_strides(lse, varlen)
     rows_per_program = dq_tile["block_m"]
     launch(
-        _bwd_preprocess_kernel, (triton.cdiv(seqlen_q, rows_per_program), n_batch * n_heads),
+        _bwd_preprocess_kernel, (cdiv(seqlen_q, rows_per_program), n_batch * n_heads),
         (out, dout, lse, delta, sink if sink is not None else lse, dsink_rows if dsink_rows is not None else lse,
          cu_q, seqlen_q, n_heads, head_dim, *_strides3(out, varlen), *_strides3(dout, varlen), *lse_strides),
         dict(IS_VARLEN=varlen, HAS_SINK=sink is not None, BLOCK_M=rows_per_program, BLOCK_D=block_d),
@@ -533,7 +533,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     shared = (scale, softcap, window[0], window[1], seed, threshold, keep_scale)
     flags = dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=dropout_p > 0)
     launch(
-        _bwd_dkdv_kernel, (triton.cdiv(seqlen_k, dkdv_tile["block_n"]), n_batch * n_kv_heads),
+        _bwd_dkdv_kernel, (cdiv(seqlen_k, dkdv_tile["block_n"]), n_batch * n_kv_heads),
         (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_kv_heads,
          n_heads // n_kv_heads, head_dim, *shared,
          *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
@@ -541,7 +541,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
         dict(**flags, BLOCK_M=dkdv_tile["block_m"], BLOCK_N=dkdv_tile["block_n"], BLOCK_D=block_d),
         dkdv_tile["num_warps"], dkdv_tile.get("num_stages"))
     launch(
-        _bwd_dq_kernel, (triton.cdiv(seqlen_q, dq_tile["block_m"]), n_batch * n_heads),
+        _bwd_dq_kernel, (cdiv(seqlen_q, dq_tile["block_m"]), n_batch * n_heads),
         (q, k, v, dout, lse, delta, dq, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim,
          *shared, *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
          *_strides3(dq, varlen), *lse_strides),
@@ -556,7 +556,7 @@ def dropout_keep_mask(mask, seed, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k
     varlen = cu_seqlens_q is not None
     threshold, _ = _dropout_args(dropout_p)
     launch(
-        _dropout_mask_kernel, (triton.cdiv(seqlen_q, block_m), mask.shape[0] * mask.shape[1]),
+        _dropout_mask_kernel, (cdiv(seqlen_q, block_m), mask.shape[0] * mask.shape[1]),
         (mask, cu_seqlens_q if varlen else seed, cu_seqlens_k if varlen else seed, seqlen_q, seqlen_k,
          mask.shape[1], seed, threshold, seqlen_q, seqlen_k),
         dict(IS_VARLEN=varlen, BLOCK_M=block_m, BLOCK_N=block_n), 4)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import cdiv, launch, next_power_of_2
 
 # Compile-time mode switch (globals read inside @triton.jit must be tl.constexpr).
 LLAMA = tl.constexpr(0)
@@ -269,7 +269,7 @@ def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual
     rows_inner = x_layout[0]
     r_strides = _row_strides(residual_layout) if residual is not None else (0, 0, 0)
     launch(
-        _rms_norm_forward_kernel, (triton.cdiv(n_rows, block_rows),),
+        _rms_norm_forward_kernel, (cdiv(n_rows, block_rows),),
         (x, residual if residual is not None else x, weight if weight is not None else x, y,
          residual_out if residual_out is not None else y,
          n_rows, n_cols, rows_inner, eps, *_row_strides(x_layout), *r_strides),
@@ -288,7 +288,7 @@ def rms_norm_backward(dy, dy_layout, h, h_layout, weight, d_residual_out, d_resi
     rows_inner = h_layout[0]
     if dy_layout[0] != rows_inner or (d_residual_out is not None and d_residual_layout[0] != rows_inner):
         raise ValueError("dy, h and d_residual_out must share the row grouping (rows_inner)")
-    num_programs = max(1, min(num_programs, triton.cdiv(n_rows, block_rows)))
+    num_programs = max(1, min(num_programs, cdiv(n_rows, block_rows)))
     dw_partial = torch.empty((num_programs, n_cols), device=h.device, dtype=torch.float32) if dw is not None else h
     dr_strides = _row_strides(d_residual_layout) if d_residual_out is not None else (0, 0, 0)
     launch(
@@ -303,6 +303,6 @@ def rms_norm_backward(dy, dy_layout, h, h_layout, weight, d_residual_out, d_resi
     if dw is not None:
         # Narrow strips and tall tiles: enough programs, and enough bytes in flight per program, that summing
         # a few thousand partial rows stays cheap next to the main kernel.
-        strip = min(32, triton.next_power_of_2(n_cols))
-        launch(_column_sum_kernel, (triton.cdiv(n_cols, strip),), (dw_partial, dw, num_programs, n_cols),
+        strip = min(32, next_power_of_2(n_cols))
+        launch(_column_sum_kernel, (cdiv(n_cols, strip),), (dw_partial, dw, num_programs, n_cols),
                dict(BLOCK_ROWS=128, BLOCK_COLS=strip), 8)

@@ -34,7 +34,7 @@ position however many heads share it.
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import cdiv, launch, next_power_of_2
 
 # Compile-time convention switch (globals read inside @triton.jit must be tl.constexpr).
 HALF_SPLIT = tl.constexpr(0)
@@ -152,14 +152,14 @@ def rope(q, k, q_out, k_out, cos, sin, position_ids, rotary_dim, interleaved, in
     else:
         cos_strides, position_strides = cos.stride(), (0, 0)
     launch(
-        _rope_kernel, (triton.cdiv(seq_len, block_s), batch),
+        _rope_kernel, (cdiv(seq_len, block_s), batch),
         (q, k, q_out, k_out, cos, sin, position_ids if has_positions else cos,
          seq_len, n_q_heads, n_k_heads, cos.shape[0] if has_positions else 0,
          *q.stride(), *q_out.stride(), *k.stride(), *k_out.stride(), *cos_strides, *position_strides),
         dict(ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim, CONVENTION=(INTERLEAVED if interleaved else HALF_SPLIT).value,
              INVERSE=inverse, HAS_POSITIONS=has_positions, COPY_TAIL=copy_tail, BLOCK_S=block_s,
-             BLOCK_HQ=min(block_h, triton.next_power_of_2(max(n_q_heads, 1))),
-             BLOCK_HK=min(block_h, triton.next_power_of_2(max(n_k_heads, 1))),
-             BLOCK_PAIRS=triton.next_power_of_2(rotary_dim // 2),
-             BLOCK_TAIL=triton.next_power_of_2(head_dim - rotary_dim) if copy_tail else 1),
+             BLOCK_HQ=min(block_h, next_power_of_2(max(n_q_heads, 1))),
+             BLOCK_HK=min(block_h, next_power_of_2(max(n_k_heads, 1))),
+             BLOCK_PAIRS=next_power_of_2(rotary_dim // 2),
+             BLOCK_TAIL=next_power_of_2(head_dim - rotary_dim) if copy_tail else 1),
         num_warps)

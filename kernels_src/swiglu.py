@@ -24,7 +24,7 @@ Backward. ``d_up = dout * act(gate)`` and ``d_gate = dout * up * act'(gate)``; `
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import cdiv, launch
 
 # Compile-time activation switch (globals read inside @triton.jit must be tl.constexpr).
 SILU = tl.constexpr(0)
@@ -120,7 +120,7 @@ def _gated_backward_kernel(
 
 
 def _grid(n_rows, n_cols, block_rows, block_cols):
-    return (triton.cdiv(n_rows, block_rows) * triton.cdiv(n_cols, block_cols),)
+    return (cdiv(n_rows, block_rows) * cdiv(n_cols, block_cols),)
 
 
 def gated_forward(gate, gate_layout, up, up_layout, out, out_stride_row, n_rows, n_cols, activation, *,
