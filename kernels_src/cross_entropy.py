@@ -19,8 +19,8 @@ host synchronisation.
 
 ``_cross_entropy_kernel`` runs one program per row and walks the row in ``BLOCK_COLS`` chunks:
   pass 1 (LOSS_PASS): an online log-sum-exp (running max, rescaled sum; one exp per element) and, with label
-    smoothing, ``sum_c w_c * x_c``; then stores the row's loss (and z-loss), and its row statistics
-    ``(max_c x_c, log sum_c exp(x_c - max))`` for a later backward;
+    smoothing, ``sum_c w_c * (max - x_c)`` (non-negative terms, so nothing cancels); then stores the row's
+    loss (and z-loss), and its row statistics ``(max_c x_c, log sum_c exp(x_c - max))`` for a later backward;
   pass 2 (GRAD_PASS): re-reads the row (mostly from L2: a row of 152k bf16 logits is 300 KB) and writes the
     gradient in the logits dtype. Without LOSS_PASS it reads the row statistics the forward stored.
 lse is kept as its two parts, and p_c = exp((x_c - max) - log_sum): with logits of magnitude 1e4, lse itself is
@@ -57,8 +57,9 @@ def _soft_cap(z, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _cross_entropy_kernel(
-    logits_ptr, target_ptr, weight_ptr, constants_ptr, grad_out_ptr, loss_ptr, z_loss_ptr, row_stats_ptr, dlogits_ptr,
-    n_rows, n_cols, n_classes, col_start, logits_stride_row, logits_stride_col, dlogits_stride_row, grad_out_stride,
+    logits_ptr, target_ptr, weight_ptr, constants_ptr, grad_out_ptr, loss_ptr, z_loss_ptr, row_stats_ptr,
+    dlogits_ptr, n_rows, n_cols, n_classes, col_start, logits_stride_row, logits_stride_col, dlogits_stride_row,
+    grad_out_stride,
     ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     MEAN: tl.constexpr, LOSS_PASS: tl.constexpr, STORE_Z_LOSS: tl.constexpr, GRAD_PASS: tl.constexpr,
