@@ -289,9 +289,11 @@ class _EagerGatedMLP(torch.autograd.Function):
 
 def _plain_linear(module) -> bool:
     """An ``nn.Linear`` whose forward is exactly ``F.linear(x, weight, bias)`` on plain tensors: no subclass
-    (LoRA, quantised layers), no hooks (FSDP2 sharding it on its own, profilers), no DTensor parameters.
-    Anything else must be called as a module, so its own forward and hooks run."""
-    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+    (LoRA, quantised layers), no hooks of its own or global ones (FSDP2 sharding it on its own, profilers), no
+    DTensor parameters. Anything else must be called as a module, so its own forward and hooks run."""
+    global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+    return (type(module) is nn.Linear and not global_hooks and not module._forward_hooks
+            and not module._forward_pre_hooks
             and all(type(p) in (torch.Tensor, nn.Parameter) for p in module.parameters(recurse=False)))
 
 
