@@ -8,6 +8,8 @@
 Providers: `sdpa` (stock transformers), `sdpa_compile` (torch.compile of that model), `liger` (Liger-Kernel's patch
 of the model class: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) and `fused_kernels` (every kernel of ours
 through the README helper `use_fused_kernels`, loaded from --kernel-path through LOCAL_KERNELS as users do).
+On request (not in the default list), `fused_kernels_sdpa_attention`: ours with `attention=False`, the model's own
+SDPA attention (cuDNN on Hopper), which splits a gap to the peers into attention and everything else.
 A step is forward with labels = inputs (the loss through the model's own causal-LM path, so the fused losses
 run), backward, fused AdamW and zero_grad, in bf16. Each provider runs in a fresh process, so memory and compile
 caches never leak from one provider into the next, and an out-of-memory or a crash is recorded for that provider
@@ -54,6 +56,8 @@ from fused_kernels_tools import engines  # noqa: E402
 REPO_ID = "myorg/fused-kernels"
 SCRIPT = Path(__file__).resolve()
 PROVIDERS = ("sdpa", "sdpa_compile", "liger", "fused_kernels")
+# Ours with the model's own attention: run on request, to attribute a gap to attention or the other kernels.
+OURS_WITHOUT_ATTENTION = "fused_kernels_sdpa_attention"
 SCALING_PROVIDERS = ("sdpa", "liger", "fused_kernels")
 
 # (model_type, config sizes): random-init shapes of the real models; nothing is downloaded.
@@ -100,10 +104,10 @@ def build_model(model_name: str, provider: str, layers: int | None, device: torc
     with torch.device(device):  # initialise on the device: a CPU init of 2B parameters takes longer than the run
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
     model.train()
-    if provider == "fused_kernels":
+    if provider.startswith("fused_kernels"):
         from fused_kernels_tools.integrate import use_fused_kernels
 
-        model = use_fused_kernels(model, REPO_ID)
+        model = use_fused_kernels(model, REPO_ID, attention=provider != OURS_WITHOUT_ATTENTION)
     elif provider == "sdpa_compile":
         model = torch.compile(model, dynamic=False)
     return model
@@ -178,7 +182,7 @@ def measure(model_name: str, provider: str, engine: str, args, device: torch.dev
     try:
         model = build_model(model_name, provider, args.layers, device)
         result["layers"] = model.config.num_hidden_layers
-        if provider == "fused_kernels":
+        if provider.startswith("fused_kernels"):
             result["fused_kernels"] = kernel_build(model)
         vocab = model.config.vocab_size
         model = engines.wrap(model, engine)
@@ -320,7 +324,7 @@ def write_profile(step, args, device: torch.device, model_name: str, provider: s
     total_ms = sum(ms for _, ms, _ in kernels)
     ours = our_kernel_families()
     # Liger names some kernels as we do (_rms_norm_forward_kernel): they are ours only in our provider's profile.
-    is_ours = lambda name: provider == "fused_kernels" and name in ours  # noqa: E731
+    is_ours = lambda name: provider.startswith("fused_kernels") and name in ours  # noqa: E731
     families: dict[str, list[float]] = {}
     for name, ms, calls in kernels:
         family = families.setdefault(kernel_family(name, ours), [0.0, 0.0])
@@ -523,8 +527,8 @@ def scaling_report(head: dict, results: list[dict], nproc: int) -> str:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", "--model", nargs="+", choices=list(MODELS), default=list(GPU_MODELS))
-    parser.add_argument("--providers", nargs="+", choices=PROVIDERS,
-                        help=f"default: all ({', '.join(PROVIDERS)}); with --nproc: {', '.join(SCALING_PROVIDERS)}")
+    parser.add_argument("--providers", nargs="+", choices=(*PROVIDERS, OURS_WITHOUT_ATTENTION),
+                        help=f"default: {', '.join(PROVIDERS)}; with --nproc: {', '.join(SCALING_PROVIDERS)}")
     parser.add_argument("--layers", type=int, help="override every model's decoder layer count")
     parser.add_argument("--batch", type=int, help="per GPU; default 8, or 4 with --nproc (plain transformers runs "
                         "out of memory at 8 on the Qwen3 shape)")
@@ -536,7 +540,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, help="scaling mode: the same step on 1 and NPROC GPUs under torchrun")
     parser.add_argument("--engines", nargs="+", choices=engines.ENGINES, default=["ddp"],
                         help="scaling mode: the engines of the multi-GPU runs (ddp, fsdp2)")
-    parser.add_argument("--profile", nargs="+", choices=PROVIDERS, help="profile these providers instead of timing")
+    parser.add_argument("--profile", nargs="+", choices=(*PROVIDERS, OURS_WITHOUT_ATTENTION),
+                        help="profile these providers instead of timing")
     parser.add_argument("--profile-top", type=int, default=30, help="kernels listed in a profile")
     parser.add_argument("--timeout", type=float, default=480, help="seconds per provider process")
     # Internal: run as the worker of one provider, writing its results to this JSON file.

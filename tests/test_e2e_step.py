@@ -26,10 +26,11 @@ def run_bench(build_dir, out, *args):
 
 def test_one_device_each_provider_in_its_own_process(build_dir, tmp_path):
     # sdpa and sdpa_compile are left out to keep this fast: they run the same worker on stock transformers.
-    run_bench(build_dir, tmp_path, "--providers", "liger", "fused_kernels")
+    run_bench(build_dir, tmp_path, "--providers", "liger", "fused_kernels", "fused_kernels_sdpa_attention")
     report = json.loads((tmp_path / "e2e_step.json").read_text())
     rows = {row["provider"]: row for row in report["results"]}
-    assert set(rows) == {"liger", "fused_kernels"}
+    assert set(rows) == {"liger", "fused_kernels", "fused_kernels_sdpa_attention"}
+    assert rows["fused_kernels_sdpa_attention"]["status"] == "ok", rows["fused_kernels_sdpa_attention"]
     row = rows["fused_kernels"]
     assert row["status"] == "ok", row
     assert len(row["step_ms"]) == 2 and row["ms_per_step"] > 0

@@ -182,3 +182,15 @@ def test_training_loss_curve_matches_sdpa_larger(build_dir, monkeypatch, stock_t
     # At the small model's 3e-3 this one's loss spikes (in fp32 too), and after a spike runs that differ by a
     # rounding follow different paths (measured: 15% apart by step 20), which says nothing about the kernels.
     run_parity(model_type, LARGER, batch=8, seq=512, lr=1e-3)
+
+
+def test_attention_can_stay_the_models_own(build_dir, monkeypatch, stock_transformers):
+    """use_fused_kernels(attention=False): every other kernel goes in, attention stays transformers' SDPA."""
+    monkeypatch.setenv("LOCAL_KERNELS", f"{REPO}={build_dir}")
+    model = use_fused_kernels(make_model("qwen3", SMALL).train(), attention=False)
+    assert model.config._attn_implementation == "sdpa"
+    kernel_id = model.model.norm.forward.__func__.__module__.removesuffix(".layers")
+    loss = model(input_ids=synthetic_batch(SMALL["vocab_size"], 2, 16), labels=None).logits.float().square().mean()
+    expected = expected_calls(model, kernel_id)
+    del expected[f"{kernel_id}._flash_attn"], expected[f"{kernel_id}.fused_linear_cross_entropy"]
+    assert kernel_calls(loss) == expected

@@ -15,12 +15,14 @@ from kernels import (
 )
 
 
-def use_fused_kernels(model, repo_id="myorg/fused-kernels", revision="v2", low_memory_loss=False):
+def use_fused_kernels(model, repo_id="myorg/fused-kernels", revision="v2", low_memory_loss=False,
+                      attention=True):
     """Swap RMSNorm, RoPE, the gated MLP, the causal-LM loss and attention of a Llama, Qwen2/Qwen3, Mistral or
     Gemma-2 model (on its current device: CUDA, or CPU with the torch-cpu variant) for the Hub layers of
     `repo_id` at `revision`. Loads from the Hub, or from a local build through LOCAL_KERNELS. `low_memory_loss`:
     the loss uses fused linear cross-entropy's low-memory algorithm (more compute, no fp32 weight-gradient
-    buffer). Returns the model."""
+    buffer). `attention=False` keeps the model's own attention implementation (e.g. SDPA, whose cuDNN backend
+    PyTorch prefers on Hopper). Returns the model."""
     config = model.config
     gemma = config.model_type.startswith("gemma")
     activation = config.hidden_activation if gemma else config.hidden_act
@@ -50,5 +52,6 @@ def use_fused_kernels(model, repo_id="myorg/fused-kernels", revision="v2", low_m
         # fails to load or validate raises instead of silently leaving the stock forward in place.
         model = kernelize(model, mode=Mode.TRAINING if model.training else Mode.INFERENCE, device=device,
                           use_fallback=KernelizeFallback.NO_LAYER)
-    model.set_attn_implementation(f"{repo_id}@{revision}", allow_all_kernels=True)
+    if attention:
+        model.set_attn_implementation(f"{repo_id}@{revision}", allow_all_kernels=True)
     return model
