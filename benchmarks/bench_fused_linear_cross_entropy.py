@@ -4,7 +4,11 @@ Sweeps tokens and vocabulary at H=4096.
 
 Ours runs three ways: the default (token chunks of about 1 GiB of logits), the default with 1024-token chunks
 (a smaller chunk buffer, more passes over the fp32 weight-gradient sums) and `low_memory=True` (vocabulary
-slices; the logits are computed twice). TFLOP/s counts the 6*T*H*V FLOPs of the computation itself for all."""
+slices; the logits are computed twice). TFLOP/s counts the 6*T*H*V FLOPs of the computation itself for all.
+
+Read the fwd rows with care: the inputs require grad there, and ours (like Liger's) then computes the gradients
+during the forward, which the backward only scales, so its "fwd" is nearly the whole training step while the
+peers' is the forward alone. The fwd+bwd rows compare the same work."""
 
 import torch
 import torch.nn.functional as F
