@@ -218,12 +218,11 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_preprocess_kernel(
-    o_ptr, do_ptr, lse_ptr, delta_ptr, sink_ptr, dsink_rows_ptr, cu_seqlens_q_ptr,
-    fixed_seqlen_q, n_heads, head_dim,
+    o_ptr, do_ptr, delta_ptr, cu_seqlens_q_ptr, fixed_seqlen_q, n_heads, head_dim,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-    IS_VARLEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """delta = rowsum(dO * O); with a sink, also each row's term -P_sink * delta of d(sink)."""
+    """delta = rowsum(dO * O), from the stored (rounded) O, as dS = P * (dP - delta) uses it."""
     row_start = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // n_heads
     head = tl.program_id(1) % n_heads
@@ -240,10 +239,6 @@ def _bwd_preprocess_kernel(
     delta = tl.sum(o * do, axis=1)
     offsets = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start + rows
     tl.store(delta_ptr + offsets, delta, mask=rows < seqlen_q)
-    if HAS_SINK:
-        lse = tl.load(lse_ptr + offsets, mask=rows < seqlen_q, other=float("inf"))
-        p_sink = tl.exp(tl.load(sink_ptr + head).to(tl.float32) - lse)
-        tl.store(dsink_rows_ptr + offsets, -p_sink * delta, mask=rows < seqlen_q)
 
 
 @triton.jit
@@ -298,11 +293,12 @@ def _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delt
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head, k_start,
-             seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr, drop_threshold,
-             keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-             HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One key tile's contribution to dQ of the query tile."""
+def _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
+             k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr,
+             drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+             HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr, MASKED: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """One key tile's contribution to dQ of the query tile and, with a sink, to each row's sum of P * dP."""
     cols = col_start + tl.arange(0, BLOCK_N)
     if MASKED:
         col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
@@ -318,8 +314,10 @@ def _dq_tile(dq, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, ba
     if HAS_DROPOUT:
         dp = tl.where(_dropout_keep(seed_ptr, batch_head, rows[:, None], cols[None, :], drop_threshold),
                       dp * keep_scale, 0.0)
+    if HAS_SINK:
+        p_dp += tl.sum(p * dp, axis=1)
     ds = _through_softcap(p * (dp - delta[:, None]), s, softcap, HAS_SOFTCAP)
-    return dq + tl.dot(ds.to(k.dtype), k)
+    return dq + tl.dot(ds.to(k.dtype), k), p_dp
 
 
 @triton.jit
@@ -384,14 +382,17 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
-    fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, scale, softcap, window_left, window_right,
-    seed_ptr, drop_threshold, keep_scale,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, sink_ptr, dsink_rows_ptr, cu_seqlens_q_ptr,
+    cu_seqlens_k_ptr, fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, scale, softcap, window_left,
+    window_right, seed_ptr, drop_threshold, keep_scale,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
-    IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """dQ of a query tile over its visible key tiles; with a sink, also each row's term -P_sink * dO.O of
+    d(sink), with dO.O taken exactly as the row's sum of P * dP over the keys (fp32) rather than from the stored,
+    rounded O."""
     row_start = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
     batch = batch_head // n_heads
@@ -413,28 +414,32 @@ def _bwd_dq_kernel(
     lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seqlen_q, other=float("inf")) * LOG2E
     delta = tl.load(delta_ptr + row_offsets, mask=rows < seqlen_q, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    p_dp = tl.zeros((BLOCK_M,), dtype=tl.float32)
 
     shift = seqlen_k - seqlen_q
     lo, full_lo, full_hi, hi = _partner_tiles(row_start, BLOCK_M, seqlen_q, seqlen_k, shift - window_left,
                                               shift + window_right, BLOCK_N)
     for col_start in range(lo, full_lo, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
-                      k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr,
-                      drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                      HAS_SOFTCAP, HAS_DROPOUT, True, BLOCK_N)
+        dq, p_dp = _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head,
+                            kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right,
+                            seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb,
+                            stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, HAS_SINK, True, BLOCK_N)
     for col_start in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
-                      k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr,
-                      drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                      HAS_SOFTCAP, HAS_DROPOUT, False, BLOCK_N)
+        dq, p_dp = _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head,
+                            kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right,
+                            seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb,
+                            stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, HAS_SINK, False, BLOCK_N)
     for col_start in range(full_hi, hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
-                      k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr,
-                      drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                      HAS_SOFTCAP, HAS_DROPOUT, True, BLOCK_N)
+        dq, p_dp = _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head,
+                            kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right,
+                            seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb,
+                            stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, HAS_SINK, True, BLOCK_N)
 
     tl.store(_tile_ptrs(dq_ptr, batch, head, stride_dqb, stride_dqs, stride_dqh, q_start, rows, dims),
              (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
+    if HAS_SINK:
+        p_sink = tl.exp2(tl.load(sink_ptr + head).to(tl.float32) * LOG2E - lse_log2)
+        tl.store(dsink_rows_ptr + row_offsets, -p_sink * p_dp, mask=rows < seqlen_q)
 
 
 @triton.jit
@@ -526,9 +531,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     rows_per_program = dq_tile["block_m"]
     launch(
         _bwd_preprocess_kernel, (cdiv(seqlen_q, rows_per_program), n_batch * n_heads),
-        (out, dout, lse, delta, sink if sink is not None else lse, dsink_rows if dsink_rows is not None else lse,
-         cu_q, seqlen_q, n_heads, head_dim, *_strides3(out, varlen), *_strides3(dout, varlen), *lse_strides),
-        dict(IS_VARLEN=varlen, HAS_SINK=sink is not None, BLOCK_M=rows_per_program, BLOCK_D=block_d),
+        (out, dout, delta, cu_q, seqlen_q, n_heads, head_dim, *_strides3(out, varlen), *_strides3(dout, varlen),
+         *lse_strides),
+        dict(IS_VARLEN=varlen, BLOCK_M=rows_per_program, BLOCK_D=block_d),
         dq_tile["num_warps"])
     shared = (scale, softcap, window[0], window[1], seed, threshold, keep_scale)
     flags = dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=dropout_p > 0)
@@ -542,10 +547,12 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
         dkdv_tile["num_warps"], dkdv_tile.get("num_stages"))
     launch(
         _bwd_dq_kernel, (cdiv(seqlen_q, dq_tile["block_m"]), n_batch * n_heads),
-        (q, k, v, dout, lse, delta, dq, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim,
-         *shared, *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
-         *_strides3(dq, varlen), *lse_strides),
-        dict(**flags, BLOCK_M=dq_tile["block_m"], BLOCK_N=dq_tile["block_n"], BLOCK_D=block_d),
+        (q, k, v, dout, lse, delta, dq, sink if sink is not None else lse,
+         dsink_rows if dsink_rows is not None else lse, cu_q, cu_k, seqlen_q, seqlen_k, n_heads,
+         n_heads // n_kv_heads, head_dim, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
+         *_strides3(v, varlen), *_strides3(dout, varlen), *_strides3(dq, varlen), *lse_strides),
+        dict(**flags, HAS_SINK=sink is not None, BLOCK_M=dq_tile["block_m"], BLOCK_N=dq_tile["block_n"],
+             BLOCK_D=block_d),
         dq_tile["num_warps"], dq_tile.get("num_stages"))
 
 

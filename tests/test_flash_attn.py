@@ -232,11 +232,14 @@ def test_strided_views_are_read_in_place(fk, poisoned_empty):
     torch.testing.assert_close(fk.flash_attn_func(*views, causal=True), expected, rtol=0, atol=0)
 
 
-def test_dropout_matches_reference_with_the_returned_mask(fk):
+@pytest.mark.parametrize("with_sink", [False, True], ids=["no_sink", "sink"])
+def test_dropout_matches_reference_with_the_returned_mask(fk, with_sink):
     torch.manual_seed(9)
     q, k, v = make_qkv(2, 19, 23, 2, 1, 16, torch.float16)
+    s_aux = torch.randn(2) if with_sink else None
     a = leaves(q, k, v)
-    out, _, keep = fk.flash_attn_func(*a, dropout_p=0.3, causal=True, return_attn_probs=True)
+    sink = s_aux.clone().requires_grad_() if with_sink else None
+    out, _, keep = fk.flash_attn_func(*a, dropout_p=0.3, causal=True, return_attn_probs=True, s_aux=sink)
     assert keep.shape == (2, 2, 19, 23) and keep.dtype == torch.bool
     kept = keep.float().mean().item()
     assert abs(kept - 0.7) < 0.08, f"kept fraction {kept:.3f}, expected about 0.7"
@@ -245,11 +248,13 @@ def test_dropout_matches_reference_with_the_returned_mask(fk):
     results = {}
     for upcast in (True, False):
         r = leaves(q, k, v)
-        ref = reference(*r, causal=True, keep=keep, dropout_p=0.3, upcast=upcast)
+        ref_sink = s_aux.clone().requires_grad_() if with_sink else None
+        ref = reference(*r, causal=True, keep=keep, dropout_p=0.3, upcast=upcast, s_aux=ref_sink)
         ref.backward(dout)
-        results[upcast] = [ref.detach()] + [t.grad for t in r]
-    for index, (name, ours) in enumerate(zip(("out", "dq", "dk", "dv"), [out.detach()] + [t.grad for t in a])):
-        check_rule(name, ours, results[False][index], results[True][index], 2 if index == 0 else 3)
+        results[upcast] = [ref.detach()] + [t.grad for t in r] + ([ref_sink.grad] if with_sink else [])
+    ours = [out.detach()] + [t.grad for t in a] + ([sink.grad] if with_sink else [])
+    for index, (name, value) in enumerate(zip(("out", "dq", "dk", "dv", "ds_aux"), ours)):
+        check_rule(name, value, results[False][index], results[True][index], 2 if index == 0 else 3)
 
 
 def test_backward_is_bitwise_deterministic(fk):
