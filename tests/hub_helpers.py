@@ -29,6 +29,7 @@ if str(TOOLS_DIR) not in sys.path:
     sys.path.insert(0, str(TOOLS_DIR))
 
 from fused_kernels_tools.hub import HubServer  # noqa: E402
+from tooling_helpers import with_tools_on_path  # noqa: E402
 
 # Variables that break kernels 0.17.2 (telemetry off), force offline mode, or send the client elsewhere.
 REMOVED_VARS = ("HF_HUB_DISABLE_TELEMETRY", "DO_NOT_TRACK", "DISABLE_TELEMETRY", "HF_HUB_OFFLINE",
@@ -61,7 +62,7 @@ def hub_env(url: str, hf_home: Path, token: str | None = "hf_test") -> dict:
         env["HF_TOKEN"] = token
     for name in ("NO_PROXY", "no_proxy"):
         env[name] = ",".join(filter(None, [env.get(name), "127.0.0.1", "localhost"]))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TOOLS_DIR), os.environ.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = with_tools_on_path()
     return env
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tooling_helpers import REPO_ROOT, git, make_snapshot, run_tool
+from tooling_helpers import REPO_ROOT, git, make_snapshot, run_tool, with_tools_on_path
 
 VARIANTS = ("torch-cpu", "torch-cuda")
 REPO_ID = "myorg/fused-kernels"
@@ -84,5 +84,4 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 
 
 def plain_env() -> dict:
-    tools_first = os.pathsep.join(filter(None, [str(REPO_ROOT / "tools"), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": tools_first, "PYTHONDONTWRITEBYTECODE": "1"}
+    return {**os.environ, "PYTHONPATH": with_tools_on_path(), "PYTHONDONTWRITEBYTECODE": "1"}

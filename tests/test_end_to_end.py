@@ -112,6 +112,11 @@ def train(model, input_ids, steps, lr, check_step=None):
     return losses
 
 
+def loaded_kernel(model):
+    """The kernel module whose layer runs the model's final norm (e.g. "_fused_kernels_cpu_<rev>")."""
+    return model.model.norm.forward.__func__.__module__.removesuffix(".layers")
+
+
 def expected_calls(model, kernel_id):
     layers = model.config.num_hidden_layers
     # Qwen3 also normalises q and k per head; Gemma-2 also normalises after attention and after the MLP.
@@ -141,7 +146,7 @@ def run_parity(model_type, sizes, batch, seq, lr=3e-3, steps=STEPS):
     ref_losses = train(reference, input_ids, steps, lr, no_kernel)
 
     ours = use_fused_kernels(ours.train())
-    kernel_id = ours.model.norm.forward.__func__.__module__.removesuffix(".layers")
+    kernel_id = loaded_kernel(ours)
     assert kernel_id.startswith("_fused_kernels_"), f"the final norm runs {kernel_id}, not our layer"
     if not ON_GPU:
         assert sys.modules[kernel_id].VARIANT == "torch-cpu", "kernels must select the torch-cpu variant on CPU"
@@ -189,7 +194,7 @@ def test_attention_can_stay_the_models_own(build_dir, monkeypatch, stock_transfo
     monkeypatch.setenv("LOCAL_KERNELS", f"{REPO}={build_dir}")
     model = use_fused_kernels(make_model("qwen3", SMALL).train(), attention=False)
     assert model.config._attn_implementation == "sdpa"
-    kernel_id = model.model.norm.forward.__func__.__module__.removesuffix(".layers")
+    kernel_id = loaded_kernel(model)
     loss = model(input_ids=synthetic_batch(SMALL["vocab_size"], 2, 16), labels=None).logits.float().square().mean()
     expected = expected_calls(model, kernel_id)
     del expected[f"{kernel_id}._flash_attn"], expected[f"{kernel_id}.fused_linear_cross_entropy"]
