@@ -236,7 +236,7 @@ def test_strided_views_are_read_in_place(fk, poisoned_empty):
 def test_dropout_matches_reference_with_the_returned_mask(fk, with_sink):
     torch.manual_seed(9)
     q, k, v = make_qkv(2, 19, 23, 2, 1, 16, torch.float16)
-    s_aux = torch.randn(2) if with_sink else None
+    s_aux = torch.randn(2, device=q.device) if with_sink else None
     a = leaves(q, k, v)
     sink = s_aux.clone().requires_grad_() if with_sink else None
     out, _, keep = fk.flash_attn_func(*a, dropout_p=0.3, causal=True, return_attn_probs=True, s_aux=sink)

@@ -11,6 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -38,11 +39,14 @@ def wrap(model: torch.nn.Module, engine: str, mp_policy: MixedPrecisionPolicy | 
         return DistributedDataParallel(model)
     if engine == "fsdp2":
         policy = mp_policy or MixedPrecisionPolicy()
+        # The mesh on the model's own device type: fully_shard's default mesh is on the GPU whenever one is
+        # visible, which would move a CPU (gloo) model's parameters to it.
+        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
         for layer in model.model.layers:
-            fully_shard(layer, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
         # The root unit owns the embeddings, the final norm and lm_head: the fused loss reads lm_head's weight
         # inside the model's forward, where the root's pre-forward hook has gathered it.
-        fully_shard(model, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
 
