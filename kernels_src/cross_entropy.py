@@ -17,7 +17,8 @@ are not counted in D. A target outside ``[0, V)`` that is not ``ignore_index`` i
 (its loads are masked): that row's loss and gradient are NaN, so the bad label shows in the loss without a
 host synchronisation.
 
-``_cross_entropy_kernel`` runs one program per row and walks the row in ``BLOCK_COLS`` chunks:
+``_cross_entropy_kernel`` runs one program per row (or, with a capped grid, programs that walk rows) and walks
+each row in ``BLOCK_COLS`` chunks:
   pass 1 (LOSS_PASS): an online log-sum-exp (running max, rescaled sum; one exp per element) and, with label
     smoothing, ``sum_c w_c * (max - x_c)`` (non-negative terms, so nothing cancels); then stores the row's
     loss (and z-loss), and its row statistics ``(max_c x_c, log sum_c exp(x_c - max))`` for a later backward;
@@ -56,132 +57,156 @@ def _soft_cap(z, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _cross_entropy_kernel(
-    logits_ptr, target_ptr, weight_ptr, constants_ptr, grad_out_ptr, loss_ptr, z_loss_ptr, row_stats_ptr,
-    dlogits_ptr, n_rows, n_cols, n_classes, col_start, logits_stride_row, logits_stride_col, dlogits_stride_row,
-    grad_out_stride,
-    ignore_index, label_smoothing, lse_square_scale, softcap,
+def _cross_entropy_row(
+    row, logits_ptr, target_ptr, weight_ptr, constants_ptr, grad_out_ptr, loss_ptr, z_loss_ptr, row_stats_ptr,
+    dlogits_ptr, n_cols, n_classes, col_start, logits_stride_row, logits_stride_col, dlogits_stride_row,
+    grad_out_stride, ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     MEAN: tl.constexpr, LOSS_PASS: tl.constexpr, STORE_Z_LOSS: tl.constexpr, GRAD_PASS: tl.constexpr,
     HAS_GRAD_OUT: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
-    # Programs walk rows pid, pid + P, ...: with P below the number of rows, fewer rows are in flight at once, so
-    # the gradient pass re-reads a row the loss pass just read from L2 rather than from memory.
-    first_row = tl.program_id(0).to(tl.int64)
-    for row in range(first_row, n_rows, tl.num_programs(0)):
-        row_ptr = logits_ptr + row * logits_stride_row
-        y = tl.load(target_ptr + row).to(tl.int64)
-        ignored = y == ignore_index
-        in_range = (y >= 0) & (y < n_classes)
-        counted = in_range & (y != ignore_index)
-        y_safe = tl.where(counted, y, 0)
-        if HAS_WEIGHT:
-            w_y = tl.load(weight_ptr + y_safe).to(tl.float32)
-            if HAS_SMOOTHING:
-                weight_sum = tl.load(constants_ptr + 1)
-            else:
-                weight_sum = 0.0
+    """Loss pass and/or gradient pass of one row (see the module docstring)."""
+    row_ptr = logits_ptr + row * logits_stride_row
+    y = tl.load(target_ptr + row).to(tl.int64)
+    ignored = y == ignore_index
+    in_range = (y >= 0) & (y < n_classes)
+    counted = in_range & (y != ignore_index)
+    y_safe = tl.where(counted, y, 0)
+    if HAS_WEIGHT:
+        w_y = tl.load(weight_ptr + y_safe).to(tl.float32)
+        if HAS_SMOOTHING:
+            weight_sum = tl.load(constants_ptr + 1)
         else:
-            w_y = 1.0
-            weight_sum = n_classes * 1.0
-        r = 1.0
-        if MEAN:
-            denominator = tl.load(constants_ptr)
-            # D = 0 only when no row is counted: every loss and gradient is then 0 (or NaN) whatever r is.
-            r = 1.0 / tl.where(denominator != 0.0, denominator, 1.0)
-        smoothing_per_class = label_smoothing / n_classes
-        # Rows that are not counted read no logits: pass 1 does not run for them, pass 2 masks every load.
-        n_read = tl.where(counted, n_cols, 0)
+            weight_sum = 0.0
+    else:
+        w_y = 1.0
+        weight_sum = n_classes * 1.0
+    r = 1.0
+    if MEAN:
+        denominator = tl.load(constants_ptr)
+        # D = 0 only when no row is counted: every loss and gradient is then 0 (or NaN) whatever r is.
+        r = 1.0 / tl.where(denominator != 0.0, denominator, 1.0)
+    smoothing_per_class = label_smoothing / n_classes
+    # Rows that are not counted read no logits: pass 1 does not run for them, pass 2 masks every load.
+    n_read = tl.where(counted, n_cols, 0)
 
-        if LOSS_PASS:
-            running_max = tl.full((), float("-inf"), tl.float32)
-            running_sum = tl.full((), 0.0, tl.float32)
-            # Label smoothing needs sum_c w_c * (lse - x_c) = sum_c w_c * (max - x_c) + W * log(sum): kept as a sum
-            # of non-negative terms measured from the current shift, never as W * lse - sum_c w_c * x_c, which
-            # cancels catastrophically when the logits are large or the vocabulary tiny.
-            gap_sum = tl.full((), 0.0, tl.float32)
-            seen_weight = tl.full((), 0.0, tl.float32)
-            shift = tl.full((), 0.0, tl.float32)
-            for start in range(0, n_read, BLOCK_COLS):
-                cols = start + tl.arange(0, BLOCK_COLS)
-                mask = cols < n_cols
-                z = tl.load(row_ptr + cols * logits_stride_col, mask=mask, other=0.0).to(tl.float32)
-                x, _ = _soft_cap(z, softcap, HAS_SOFTCAP)
-                x = tl.where(mask, x, float("-inf"))
-                new_max = tl.maximum(running_max, tl.max(x, axis=0))
-                # While every logit so far is -inf, subtract 0 instead of -inf (exp(-inf - -inf) would be NaN).
-                new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-                running_sum = running_sum * tl.exp(running_max - new_shift) + tl.sum(tl.exp(x - new_shift), axis=0)
-                if HAS_SMOOTHING:
-                    if HAS_WEIGHT:
-                        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                    else:
-                        w = tl.where(mask, 1.0, 0.0)
-                    gap_sum += seen_weight * (new_shift - shift)
-                    gap_sum += tl.sum(tl.where(mask, w * (new_shift - x), 0.0), axis=0)
-                    seen_weight += tl.sum(w, axis=0)
-                running_max = new_max
-                shift = new_shift
-            # Rows that are not counted read nothing: give them lse 0 rather than log(0), which keeps -inf and NaN
-            # out of their (discarded) arithmetic.
-            row_max = shift
-            log_sum = tl.log(tl.where(counted, running_sum, 1.0))
-            lse = row_max + log_sum
-            x_y, _ = _soft_cap(tl.load(row_ptr + y_safe * logits_stride_col, mask=counted, other=0.0).to(tl.float32),
-                               softcap, HAS_SOFTCAP)
-            # lse - x_y as (max - x_y) + log(sum): with logits of magnitude 1e4, max - x_y is exact and the small
-            # log(sum) is not rounded to the ulp of the max first.
-            ce = (1.0 - label_smoothing) * w_y * ((row_max - x_y) + log_sum)
+    if LOSS_PASS:
+        running_max = tl.full((), float("-inf"), tl.float32)
+        running_sum = tl.full((), 0.0, tl.float32)
+        # Label smoothing needs sum_c w_c * (lse - x_c) = sum_c w_c * (max - x_c) + W * log(sum): kept as a sum
+        # of non-negative terms measured from the current shift, never as W * lse - sum_c w_c * x_c, which
+        # cancels catastrophically when the logits are large or the vocabulary tiny.
+        gap_sum = tl.full((), 0.0, tl.float32)
+        seen_weight = tl.full((), 0.0, tl.float32)
+        shift = tl.full((), 0.0, tl.float32)
+        for start in range(0, n_read, BLOCK_COLS):
+            cols = start + tl.arange(0, BLOCK_COLS)
+            mask = cols < n_cols
+            z = tl.load(row_ptr + cols * logits_stride_col, mask=mask, other=0.0).to(tl.float32)
+            x, _ = _soft_cap(z, softcap, HAS_SOFTCAP)
+            x = tl.where(mask, x, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            # While every logit so far is -inf, subtract 0 instead of -inf (exp(-inf - -inf) would be NaN).
+            new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp(running_max - new_shift) + tl.sum(tl.exp(x - new_shift), axis=0)
             if HAS_SMOOTHING:
-                ce += smoothing_per_class * (gap_sum + seen_weight * log_sum)
-            z_loss = 0.0
+                if HAS_WEIGHT:
+                    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    w = tl.where(mask, 1.0, 0.0)
+                gap_sum += seen_weight * (new_shift - shift)
+                gap_sum += tl.sum(tl.where(mask, w * (new_shift - x), 0.0), axis=0)
+                seen_weight += tl.sum(w, axis=0)
+            running_max = new_max
+            shift = new_shift
+        # Rows that are not counted read nothing: give them lse 0 rather than log(0), which keeps -inf and NaN
+        # out of their (discarded) arithmetic.
+        row_max = shift
+        log_sum = tl.log(tl.where(counted, running_sum, 1.0))
+        lse = row_max + log_sum
+        x_y, _ = _soft_cap(tl.load(row_ptr + y_safe * logits_stride_col, mask=counted, other=0.0).to(tl.float32),
+                           softcap, HAS_SOFTCAP)
+        # lse - x_y as (max - x_y) + log(sum): with logits of magnitude 1e4, max - x_y is exact and the small
+        # log(sum) is not rounded to the ulp of the max first.
+        ce = (1.0 - label_smoothing) * w_y * ((row_max - x_y) + log_sum)
+        if HAS_SMOOTHING:
+            ce += smoothing_per_class * (gap_sum + seen_weight * log_sum)
+        z_loss = 0.0
+        if HAS_Z_LOSS:
+            z_loss = lse_square_scale * lse * lse
+        loss = tl.where(ignored, 0.0, tl.where(counted, r * (ce + z_loss), float("nan")))
+        tl.store(loss_ptr + row, loss)
+        if STORE_Z_LOSS:
+            tl.store(z_loss_ptr + row, tl.where(ignored, 0.0, tl.where(counted, r * z_loss, float("nan"))))
+        tl.store(row_stats_ptr + 2 * row, row_max)
+        tl.store(row_stats_ptr + 2 * row + 1, log_sum)
+    else:
+        row_max = tl.load(row_stats_ptr + 2 * row)
+        log_sum = tl.load(row_stats_ptr + 2 * row + 1)
+        lse = row_max + log_sum
+
+    if GRAD_PASS:
+        g = 1.0
+        if HAS_GRAD_OUT:
+            g = tl.load(grad_out_ptr + row * grad_out_stride).to(tl.float32)
+        scale = r * g
+        # The target's term is coef_y * (p - 1), computed as written: p - 1 is exact near p = 1, where a
+        # confident prediction's small gradient would otherwise be lost to cancellation.
+        coef_y = scale * (1.0 - label_smoothing) * w_y
+        # Smoothing and z-loss terms stay separate, so each cancels only against its own kind, as in autograd.
+        coef_s = scale * smoothing_per_class * weight_sum
+        coef_z = scale * 2.0 * lse_square_scale * lse
+        coef_c = scale * smoothing_per_class
+        # An out-of-range target poisons its row's gradient (see the module docstring).
+        coef_y = tl.where(ignored | counted, coef_y, float("nan"))
+        d_row_ptr = dlogits_ptr + row * dlogits_stride_row
+        for start in range(0, n_cols, BLOCK_COLS):
+            cols = start + tl.arange(0, BLOCK_COLS)
+            mask = cols < n_cols
+            z = tl.load(row_ptr + cols * logits_stride_col, mask=cols < n_read, other=0.0).to(tl.float32)
+            x, t = _soft_cap(z, softcap, HAS_SOFTCAP)
+            p = tl.exp((x - row_max) - log_sum)
+            dx = coef_y * tl.where(col_start + cols == y, p - 1.0, p)
+            if HAS_SMOOTHING:
+                if HAS_WEIGHT:
+                    w_c = tl.load(weight_ptr + col_start + cols, mask=mask, other=0.0).to(tl.float32)
+                    dx += coef_s * p - coef_c * w_c
+                else:
+                    dx += coef_s * p - coef_c
             if HAS_Z_LOSS:
-                z_loss = lse_square_scale * lse * lse
-            loss = tl.where(ignored, 0.0, tl.where(counted, r * (ce + z_loss), float("nan")))
-            tl.store(loss_ptr + row, loss)
-            if STORE_Z_LOSS:
-                tl.store(z_loss_ptr + row, tl.where(ignored, 0.0, tl.where(counted, r * z_loss, float("nan"))))
-            tl.store(row_stats_ptr + 2 * row, row_max)
-            tl.store(row_stats_ptr + 2 * row + 1, log_sum)
-        else:
-            row_max = tl.load(row_stats_ptr + 2 * row)
-            log_sum = tl.load(row_stats_ptr + 2 * row + 1)
-            lse = row_max + log_sum
+                dx += coef_z * p
+            if HAS_SOFTCAP:
+                dx *= 1.0 - t * t
+            dx = tl.where(ignored, 0.0, dx)
+            tl.store(d_row_ptr + cols, dx.to(dlogits_ptr.dtype.element_ty), mask=mask)
 
-        if GRAD_PASS:
-            g = 1.0
-            if HAS_GRAD_OUT:
-                g = tl.load(grad_out_ptr + row * grad_out_stride).to(tl.float32)
-            scale = r * g
-            # The target's term is coef_y * (p - 1), computed as written: p - 1 is exact near p = 1, where a
-            # confident prediction's small gradient would otherwise be lost to cancellation.
-            coef_y = scale * (1.0 - label_smoothing) * w_y
-            # Smoothing and z-loss terms stay separate, so each cancels only against its own kind, as in autograd.
-            coef_s = scale * smoothing_per_class * weight_sum
-            coef_z = scale * 2.0 * lse_square_scale * lse
-            coef_c = scale * smoothing_per_class
-            # An out-of-range target poisons its row's gradient (see the module docstring).
-            coef_y = tl.where(ignored | counted, coef_y, float("nan"))
-            d_row_ptr = dlogits_ptr + row * dlogits_stride_row
-            for start in range(0, n_cols, BLOCK_COLS):
-                cols = start + tl.arange(0, BLOCK_COLS)
-                mask = cols < n_cols
-                z = tl.load(row_ptr + cols * logits_stride_col, mask=cols < n_read, other=0.0).to(tl.float32)
-                x, t = _soft_cap(z, softcap, HAS_SOFTCAP)
-                p = tl.exp((x - row_max) - log_sum)
-                dx = coef_y * tl.where(col_start + cols == y, p - 1.0, p)
-                if HAS_SMOOTHING:
-                    if HAS_WEIGHT:
-                        w_c = tl.load(weight_ptr + col_start + cols, mask=mask, other=0.0).to(tl.float32)
-                        dx += coef_s * p - coef_c * w_c
-                    else:
-                        dx += coef_s * p - coef_c
-                if HAS_Z_LOSS:
-                    dx += coef_z * p
-                if HAS_SOFTCAP:
-                    dx *= 1.0 - t * t
-                dx = tl.where(ignored, 0.0, dx)
-                tl.store(d_row_ptr + cols, dx.to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+@triton.jit
+def _cross_entropy_kernel(
+    logits_ptr, target_ptr, weight_ptr, constants_ptr, grad_out_ptr, loss_ptr, z_loss_ptr, row_stats_ptr,
+    dlogits_ptr, n_rows, n_cols, n_classes, col_start, logits_stride_row, logits_stride_col, dlogits_stride_row,
+    grad_out_stride, ignore_index, label_smoothing, lse_square_scale, softcap,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    MEAN: tl.constexpr, LOSS_PASS: tl.constexpr, STORE_Z_LOSS: tl.constexpr, GRAD_PASS: tl.constexpr,
+    HAS_GRAD_OUT: tl.constexpr, BLOCK_COLS: tl.constexpr, WALK_ROWS: tl.constexpr,
+):
+    if WALK_ROWS:
+        # Programs walk rows pid, pid + P, ...: with P below the number of rows, fewer rows are in flight at once,
+        # so the gradient pass re-reads a row the loss pass just read from L2 rather than from memory.
+        for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+            _cross_entropy_row(
+                row, logits_ptr, target_ptr, weight_ptr, constants_ptr, grad_out_ptr, loss_ptr, z_loss_ptr,
+                row_stats_ptr, dlogits_ptr, n_cols, n_classes, col_start, logits_stride_row, logits_stride_col,
+                dlogits_stride_row, grad_out_stride, ignore_index, label_smoothing, lse_square_scale, softcap,
+                HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, MEAN, LOSS_PASS, STORE_Z_LOSS, GRAD_PASS,
+                HAS_GRAD_OUT, BLOCK_COLS)
+    else:  # one program per row, and no loop around the row's passes
+        _cross_entropy_row(
+            tl.program_id(0).to(tl.int64), logits_ptr, target_ptr, weight_ptr, constants_ptr, grad_out_ptr,
+            loss_ptr, z_loss_ptr, row_stats_ptr, dlogits_ptr, n_cols, n_classes, col_start, logits_stride_row,
+            logits_stride_col, dlogits_stride_row, grad_out_stride, ignore_index, label_smoothing,
+            lse_square_scale, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, MEAN, LOSS_PASS,
+            STORE_Z_LOSS, GRAD_PASS, HAS_GRAD_OUT, BLOCK_COLS)
 
 
 @triton.jit
@@ -251,8 +276,9 @@ def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, row_stat
         grad_out_stride = 0 if grad_out.numel() == 1 else 1
     else:
         grad_out_stride = 0
+    n_programs = n_rows if num_programs is None else max(1, min(n_rows, num_programs))
     launch(
-        _cross_entropy_kernel, (n_rows if num_programs is None else max(1, min(n_rows, num_programs)),),
+        _cross_entropy_kernel, (n_programs,),
         (logits, target, weight if weight is not None else constants, constants,
          grad_out if grad_out is not None else constants, loss if loss is not None else constants,
          z_loss if z_loss is not None else constants, row_stats, dlogits if dlogits is not None else logits,
@@ -262,7 +288,8 @@ def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, row_stat
          float(softcap) if softcap is not None else 1.0),
         dict(HAS_WEIGHT=weight is not None, HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=lse_square_scale > 0,
              HAS_SOFTCAP=softcap is not None, MEAN=mean, LOSS_PASS=loss_pass, STORE_Z_LOSS=z_loss is not None,
-             GRAD_PASS=grad_pass, HAS_GRAD_OUT=grad_out is not None, BLOCK_COLS=block_cols),
+             GRAD_PASS=grad_pass, HAS_GRAD_OUT=grad_out is not None, BLOCK_COLS=block_cols,
+             WALK_ROWS=n_programs < n_rows),
         num_warps)
 
 
