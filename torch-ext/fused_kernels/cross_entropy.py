@@ -35,7 +35,7 @@ import torch
 
 from . import _checks
 from ._build_info import BACKEND
-from ._launch_config import multiprocessor_count, pick
+from ._launch_config import pick
 from ._ops import add_op_namespace_prefix
 
 if BACKEND == "cuda":
@@ -54,12 +54,6 @@ class LossOptions(NamedTuple):
     label_smoothing: float
     lse_square_scale: float
     softcap: float | None
-
-
-def _programs(config, device):
-    """The row kernel's grid cap from a launch-table entry's ``programs_per_sm`` (None: one program per row)."""
-    per_sm = config.get("programs_per_sm")
-    return None if per_sm is None else per_sm * multiprocessor_count(device)
 
 
 def validate_options(opts: LossOptions):
@@ -202,8 +196,7 @@ def loss_rows(logits, target, weight, constants, opts: LossOptions, *, loss=None
             logits, target, weight, constants, loss, z_loss, row_stats, dlogits, grad_out, logits.shape[0],
             logits.shape[1], opts.ignore_index, opts.label_smoothing, opts.lse_square_scale, opts.softcap,
             opts.reduction == "mean", loss_pass=loss_pass, grad_pass=grad_pass, block_cols=config["block_cols"],
-            num_warps=config["num_warps"], num_programs=_programs(config, logits.device), n_classes=n_classes,
-            col_start=col_start)
+            num_warps=config["num_warps"], n_classes=n_classes, col_start=col_start)
     else:
         _torch_rows(logits, target, weight, constants, opts, loss, z_loss, row_stats, dlogits, grad_out, loss_pass,
                     grad_pass, n_classes, col_start)
