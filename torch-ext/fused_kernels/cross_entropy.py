@@ -217,6 +217,20 @@ def scale_(t: torch.Tensor, scale: torch.Tensor) -> None:
         t.mul_(scale.to(t.dtype))
 
 
+def take_forward_grads(ctx, op_name: str, grad_loss: torch.Tensor) -> tuple:
+    """The gradients an eager forward computed (``ctx.forward_grads``, None entries allowed), scaled in place by
+    the incoming gradient of the loss; they are handed out once, so a second backward through the same graph
+    raises instead of returning them scaled twice."""
+    grads, ctx.forward_grads = ctx.forward_grads, None
+    if grads is None:
+        raise RuntimeError(f"{op_name}: backward ran twice through the same graph; its gradients were computed in "
+                           "the forward and consumed by the first backward")
+    for g in grads:
+        if g is not None:
+            scale_(g.view(-1, g.shape[-1]) if g.dim() > 1 else g, grad_loss)
+    return grads
+
+
 def reduce_rows(rows: torch.Tensor, opts: LossOptions, shape) -> torch.Tensor:
     """The reduced loss from per-row values (already divided by D under "mean")."""
     return rows.view(shape) if opts.reduction == "none" else rows.sum()
@@ -332,7 +346,7 @@ class _EagerCrossEntropy(torch.autograd.Function):
         loss, z_loss, row_stats, constants, dlogits = _forward(logits, target, weight, opts, return_z_loss,
                                                                grad_in_forward, inplace)
         ctx.opts, ctx.logits_shape, ctx.grad_in_forward = opts, logits.shape, grad_in_forward
-        ctx.dlogits = dlogits
+        ctx.forward_grads = (dlogits,)
         if dlogits is not None and dlogits.data_ptr() == logits.data_ptr():
             # The caller's logits now hold the gradient: make autograd's saved-tensor checks see the write.
             torch.autograd.graph.increment_version(logits)
@@ -345,11 +359,7 @@ class _EagerCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_z_loss):
         if ctx.grad_in_forward:
-            dlogits, ctx.dlogits = ctx.dlogits, None
-            if dlogits is None:
-                raise RuntimeError("cross_entropy: backward ran twice through the same graph; its gradient was "
-                                   "computed in the forward and consumed by the first backward")
-            scale_(dlogits, grad_loss)
+            dlogits, = take_forward_grads(ctx, "cross_entropy", grad_loss)
             dlogits = dlogits.view(ctx.logits_shape)
         else:
             logits, target, weight, row_stats, constants = ctx.saved_tensors

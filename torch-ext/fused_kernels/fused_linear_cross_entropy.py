@@ -59,7 +59,7 @@ Everything else (options, NaN for out-of-range targets, fp32 losses) is as in ``
 import torch
 
 from . import _checks
-from .cross_entropy import (LossOptions, loss_constants, loss_rows, new_row_stats, reduce_rows, scale_,
+from .cross_entropy import (LossOptions, loss_constants, loss_rows, new_row_stats, reduce_rows, take_forward_grads,
                             validate_options, validate_target_and_weight)
 from ._ops import add_op_namespace_prefix
 
@@ -415,7 +415,7 @@ class _EagerFusedLinearCrossEntropy(torch.autograd.Function):
         loss, z_loss, dh, dw, db = _run(hidden, weight, target, bias, class_weight, opts, return_z_loss, *chunks,
                                         needs if grad_in_forward else (False, False, False))
         ctx.opts, ctx.chunks, ctx.needs, ctx.grad_in_forward = opts, chunks, needs, grad_in_forward
-        ctx.grads = (dh, dw, db)
+        ctx.forward_grads = (dh, dw, db)
         if any(needs) and not grad_in_forward:
             ctx.save_for_backward(hidden, weight, target, bias, class_weight)
         if z_loss is not None:
@@ -425,14 +425,7 @@ class _EagerFusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_z_loss):
         if ctx.grad_in_forward:
-            grads, ctx.grads = ctx.grads, None
-            if grads is None:
-                raise RuntimeError("fused_linear_cross_entropy: backward ran twice through the same graph; its "
-                                   "gradients were computed in the forward and consumed by the first backward")
-            for g in grads:
-                if g is not None:
-                    scale_(g.view(-1, g.shape[-1]) if g.dim() > 1 else g, grad_loss)
-            dh, dw, db = grads
+            dh, dw, db = take_forward_grads(ctx, "fused_linear_cross_entropy", grad_loss)
         else:
             hidden, weight, target, bias, class_weight = ctx.saved_tensors
             _, _, dh, dw, db = _run(hidden, weight, target, bias, class_weight, ctx.opts, False, *ctx.chunks,
