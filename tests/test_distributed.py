@@ -5,11 +5,10 @@ gradients and the loss curve of one process seeing the whole batch, and two runs
 bit for bit (tests/distributed_worker.py does the training, in PyTorch's deterministic mode).
 
 cpu: gloo and CPU tensors: the torch-cpu variant (on a CUDA torch, that torch's variant, whose ops take their
-PyTorch path for CPU tensors; the GPUs stay visible, as in a user's CPU run). In CI: about 50 s on 2 cores, 30 s
-of it the compiled launch (each rank compiles the model; cold Inductor cache), so CPU CI compiles one engine
-(DDP). Measured on CPU: gradients within
-0.8% of their scale (about two bf16 ulps; 0.5% with the mixed policy), losses within 8e-5; without the engines'
-gradient reduction the gradients are off by 135%.
+PyTorch path for CPU tensors; the GPUs stay visible, as in a user's CPU run). In CI: about 50 s on 2 cores, 30 s of
+it the compiled launch (each rank compiles the model; cold Inductor cache), so CPU CI compiles one engine (DDP).
+Measured on CPU: gradients within 0.8% of their scale (about two bf16 ulps; 0.5% with the mixed policy), losses
+within 8e-5; without the engines' gradient reduction the gradients are off by 135%.
 cuda: NCCL (NVLink multicast off), one GPU per rank, the variant `kernels` selects (Triton kernels, our flash
 attention); runs where at least 2 GPUs are visible.
 """
