@@ -191,21 +191,17 @@ def _fwd_kernel(
     shift = seqlen_k - seqlen_q
     lo, full_lo, full_hi, hi = _partner_tiles(row_start, BLOCK_M, seqlen_q, seqlen_k, shift - window_left,
                                               shift + window_right, BLOCK_N)
-    for col_start in range(lo, full_lo, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
-                                  k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right,
-                                  seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb,
-                                  stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, True, BLOCK_N)
-    for col_start in range(full_lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
-                                  k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right,
-                                  seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb,
-                                  stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, False, BLOCK_N)
-    for col_start in range(full_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
-                                  k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right,
-                                  seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb,
-                                  stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, True, BLOCK_N)
+    # Three runs of key tiles: [lo, full_lo) and [full_hi, hi) need masks, [full_lo, full_hi) none. The run index
+    # is a compile-time constant, so each run is its own loop with its own MASKED specialisation.
+    for run in tl.static_range(3):
+        start = lo if run == 0 else (full_lo if run == 1 else full_hi)
+        end = full_lo if run == 0 else (full_hi if run == 1 else hi)
+        for col_start in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head,
+                                      kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
+                                      window_right, seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks,
+                                      stride_kh, stride_vb, stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, run != 1,
+                                      BLOCK_N)
 
     has_mass = l_i > 0.0
     out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
@@ -355,24 +351,15 @@ def _bwd_dkdv_kernel(
                                               -shift + window_left, BLOCK_M)
     for member in range(0, group_size):
         head = kv_head * group_size + member
-        for row_start in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, head,
-                                n_heads, q_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
-                                window_right, seed_ptr, drop_threshold, keep_scale, stride_qb, stride_qs, stride_qh,
-                                stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, HAS_SOFTCAP, HAS_DROPOUT,
-                                True, BLOCK_M)
-        for row_start in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, head,
-                                n_heads, q_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
-                                window_right, seed_ptr, drop_threshold, keep_scale, stride_qb, stride_qs, stride_qh,
-                                stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, HAS_SOFTCAP, HAS_DROPOUT,
-                                False, BLOCK_M)
-        for row_start in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, head,
-                                n_heads, q_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
-                                window_right, seed_ptr, drop_threshold, keep_scale, stride_qb, stride_qs, stride_qh,
-                                stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, HAS_SOFTCAP, HAS_DROPOUT,
-                                True, BLOCK_M)
+        for run in tl.static_range(3):  # masked, unmasked, masked query tiles (as in the forward)
+            start = lo if run == 0 else (full_lo if run == 1 else full_hi)
+            end = full_lo if run == 0 else (full_hi if run == 1 else hi)
+            for row_start in range(start, end, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delta_ptr, batch,
+                                    head, n_heads, q_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
+                                    window_right, seed_ptr, drop_threshold, keep_scale, stride_qb, stride_qs,
+                                    stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, HAS_SOFTCAP,
+                                    HAS_DROPOUT, run != 1, BLOCK_M)
 
     tl.store(_tile_ptrs(dk_ptr, batch, kv_head, stride_dkb, stride_dks, stride_dkh, k_start, cols, dims),
              (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_mask)
@@ -419,21 +406,15 @@ def _bwd_dq_kernel(
     shift = seqlen_k - seqlen_q
     lo, full_lo, full_hi, hi = _partner_tiles(row_start, BLOCK_M, seqlen_q, seqlen_k, shift - window_left,
                                               shift + window_right, BLOCK_N)
-    for col_start in range(lo, full_lo, BLOCK_N):
-        dq, p_dp = _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head,
-                            kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right,
-                            seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb,
-                            stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, HAS_SINK, True, BLOCK_N)
-    for col_start in range(full_lo, full_hi, BLOCK_N):
-        dq, p_dp = _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head,
-                            kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right,
-                            seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb,
-                            stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, HAS_SINK, False, BLOCK_N)
-    for col_start in range(full_hi, hi, BLOCK_N):
-        dq, p_dp = _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head,
-                            kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right,
-                            seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb,
-                            stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, HAS_SINK, True, BLOCK_N)
+    for run in tl.static_range(3):  # masked, unmasked, masked key tiles (as in the forward)
+        start = lo if run == 0 else (full_lo if run == 1 else full_hi)
+        end = full_lo if run == 0 else (full_hi if run == 1 else hi)
+        for col_start in range(start, end, BLOCK_N):
+            dq, p_dp = _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch,
+                                batch_head, kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap,
+                                window_left, window_right, seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks,
+                                stride_kh, stride_vb, stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, HAS_SINK,
+                                run != 1, BLOCK_N)
 
     tl.store(_tile_ptrs(dq_ptr, batch, head, stride_dqb, stride_dqs, stride_dqh, q_start, rows, dims),
              (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
