@@ -80,6 +80,13 @@ def leaves(*tensors):
     return [t.detach().clone().requires_grad_() for t in tensors]
 
 
+def reference_leaves(upcast, *tensors):
+    """The leaves of a reference run: float32 copies for the float32 reference, so that its output and gradients
+    are not rounded back to the input dtype (a float16 value 8.55 has an ulp of 0.0078, and a correctly rounded
+    result of ours can sit one ulp from a rounded reference), else copies in the input dtype."""
+    return leaves(*(t.float() for t in tensors)) if upcast else leaves(*tensors)
+
+
 def run_and_check(fk, q, k, v, *, s_aux=None, **options):
     """Our output and gradients against the float32 and input-dtype references, by the FA test rule."""
     dout = torch.randn_like(q)
@@ -88,14 +95,14 @@ def run_and_check(fk, q, k, v, *, s_aux=None, **options):
     for name, fn in (("ours", lambda *a, **kw: fk.flash_attn_func(*a, **kw)),
                      ("ref", lambda *a, **kw: reference(*a, **kw, upcast=True)),
                      ("pt", lambda *a, **kw: reference(*a, **kw, upcast=False))):
-        args = leaves(q, k, v)
+        args = reference_leaves(name == "ref", q, k, v)
         sink = s_aux.detach().clone().requires_grad_() if s_aux is not None else None
         extra = dict(options)
         if name == "ours":
             extra = {key: val for key, val in extra.items() if key != "window"}
             extra["window_size"] = options.get("window", (-1, -1))
         out = fn(*args, s_aux=sink, **extra)
-        out.backward(dout)
+        out.backward(dout.to(out.dtype))
         outs[name] = out.detach()
         grads[name] = [a.grad for a in args] + ([sink.grad] if sink is not None else [])
     check_rule("out", outs["ours"], outs["pt"], outs["ref"], 2)
@@ -191,9 +198,9 @@ def test_varlen_matches_per_sequence_reference(fk, poisoned_empty, causal):
         qs, ks, vs = leaves(q[rows_q][None], k[rows_k][None], v[rows_k][None])
         results = {}
         for upcast in (True, False):
-            a = leaves(qs, ks, vs)
+            a = reference_leaves(upcast, qs, ks, vs)
             ref = reference(*a, causal=causal, upcast=upcast)
-            ref.backward(dout[rows_q][None])
+            ref.backward(dout[rows_q][None].to(ref.dtype))
             results[upcast] = (ref.detach(), *[t.grad for t in a])
         for index, name in enumerate(("out", "dq", "dk", "dv")):
             ours = (out.detach()[rows_q], q.grad[rows_q], k.grad[rows_k], v.grad[rows_k])[index][None]
@@ -247,10 +254,10 @@ def test_dropout_matches_reference_with_the_returned_mask(fk, with_sink):
     out.backward(dout)
     results = {}
     for upcast in (True, False):
-        r = leaves(q, k, v)
+        r = reference_leaves(upcast, q, k, v)
         ref_sink = s_aux.clone().requires_grad_() if with_sink else None
         ref = reference(*r, causal=True, keep=keep, dropout_p=0.3, upcast=upcast, s_aux=ref_sink)
-        ref.backward(dout)
+        ref.backward(dout.to(ref.dtype))
         results[upcast] = [ref.detach()] + [t.grad for t in r] + ([ref_sink.grad] if with_sink else [])
     ours = [out.detach()] + [t.grad for t in a] + ([sink.grad] if with_sink else [])
     for index, (name, value) in enumerate(zip(("out", "dq", "dk", "dv", "ds_aux"), ours)):
