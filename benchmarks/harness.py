@@ -107,6 +107,9 @@ class Row:
     status: str  # "ok", "WRONG" (failed the correctness gate, not timed) or "unsupported" (raised)
     bytes_moved: int = 0
     ms: float | None = None
+    # Summed device time of the call's kernels (GPU only): the call's cost in a training step whose host runs
+    # ahead of the GPU. `ms` also holds host time wherever launching takes longer than the kernels run.
+    gpu_ms: float | None = None
     gbps: float | None = None
     peak_mib: float | None = None  # fwd+bwd only
     ratio_vs_best_peer: float | None = None  # ms / fastest peer's ms: below 1 is faster than every peer
@@ -181,6 +184,20 @@ def median_ms(fn: Callable[[], object], on_gpu: bool, grad_to_none: list[torch.T
         fn()
         times.append((time.perf_counter() - start) * 1000)
     return statistics.median(times)
+
+
+def kernel_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] = (), calls: int = 10) -> float:
+    """Device time of the kernels (and copies) one call of fn launches, summed from torch.profiler over a few
+    calls, in milliseconds: no host time and no gaps between kernels."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(calls):
+            for tensor in grad_to_none:
+                tensor.grad = None
+            fn()
+        torch.cuda.synchronize()
+    return sum(event.device_time_total for event in profile.key_averages()) / calls / 1e3
 
 
 def measure_copy_gbps(device: torch.device) -> float:
@@ -327,6 +344,8 @@ def _measure(bench, case, mode, name, provider, input_sets, grad_sets, reference
         ]
         rotation = itertools.cycle(calls)
         row.ms = median_ms(lambda: next(rotation)(), env.on_gpu, grad_to_none=leaves)
+        if env.on_gpu:
+            row.gpu_ms = kernel_ms(lambda: next(rotation)(), grad_to_none=leaves)
         row.gbps = nbytes / row.ms / 1e6
         if bench.flops is not None:
             row.tflops = bench.flops(case, mode) / row.ms / 1e9
@@ -515,6 +534,9 @@ def markdown_report(title: str, header: dict, rows: list[Row]) -> str:
     )
     for (op, mode), group in _group(rows, "op", "mode").items():
         lines += ["", f"## {op}, {mode}, {group[0].dtype}", "", *_time_table(group)]
+        if any(row.gpu_ms is not None for row in group):
+            lines += ["", f"GPU kernel time of one {op} {mode} call (ms; torch.profiler, no host time):", "",
+                      *_provider_table(group, lambda r: "—" if r.gpu_ms is None else f"{r.gpu_ms:.4f}")]
         if any(row.tflops is not None for row in group):
             lines += ["", f"TFLOP/s of every provider, {op} {mode}:", "",
                       *_provider_table(group, lambda r: f"{r.tflops:.0f}")]
@@ -538,6 +560,22 @@ def read_results(out_dir: Path, ops: list[str]) -> dict[str, tuple[dict, list[Ro
     return results
 
 
+def _gpu_time_summary(group: list[Row]) -> tuple[str, str]:
+    """(shapes where ours has the least GPU kernel time, "geomean (worst)" of ours ÷ the best peer's), over the
+    shapes where ours and at least one peer have a GPU time."""
+    ratios = []
+    for by_provider in _by_shape(group).values():
+        ours = by_provider.get(OURS)
+        peers = [row.gpu_ms for name, row in by_provider.items()
+                 if not is_ours(name) and row.status == "ok" and row.gpu_ms]
+        if ours is not None and ours.status == "ok" and ours.gpu_ms and peers:
+            ratios.append(ours.gpu_ms / min(peers))
+    if not ratios:
+        return "—", "—"
+    geomean = math.exp(statistics.fmean(math.log(r) for r in ratios))
+    return f"{sum(r < 1 for r in ratios)}/{len(ratios)}", f"{geomean:.2f} ({max(ratios):.2f})"
+
+
 def summary_report(results: dict[str, tuple[dict, list[Row]]]) -> str:
     """One line per op and mode over every op's latest run (``read_results``), so running a few ops keeps the
     others' lines; each line names the run it comes from."""
@@ -545,10 +583,13 @@ def summary_report(results: dict[str, tuple[dict, list[Row]]]) -> str:
     lines += [
         "Each op's latest run (its date and commit in the last columns; device, versions and ceilings in its file).",
         "ours ÷ best peer: geometric mean over shapes, and the worst shape (below 1: faster than every peer).",
+        "GPU time: the same over the summed kernel time of a call (torch.profiler), which leaves out host "
+        "launch time.",
         "",
-        "| op | mode | shapes | ours fastest | ours ÷ best peer (geomean) | worst | ours % of floor (median) | "
-        "not timed (any provider) | run | details |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| op | mode | shapes | ours fastest | ours ÷ best peer (geomean) | worst | GPU time: ours fastest | "
+        "GPU time: ours ÷ best peer (geomean, worst) | ours % of floor (median) | not timed (any provider) | run | "
+        "details |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for file_name, (header, rows) in results.items():
         run = f"{header['date'][:10]} {header['fused_kernels']['commit'][:7]}"
@@ -564,10 +605,11 @@ def summary_report(results: dict[str, tuple[dict, list[Row]]]) -> str:
                 geomean = worst_text = floor_text = "—"
             shapes = len(_by_shape(group))
             wins = sum(ratio < 1 for ratio in ratios)
+            gpu_wins, gpu_text = _gpu_time_summary(group)
             not_timed = sum(row.status != "ok" for row in group)
             lines.append(
-                f"| {op} | {mode} | {shapes} | {wins}/{len(ratios)} | {geomean} | {worst_text} | {floor_text} | "
-                f"{not_timed} | {run} | [{file_name}.md]({file_name}.md) |"
+                f"| {op} | {mode} | {shapes} | {wins}/{len(ratios)} | {geomean} | {worst_text} | {gpu_wins} | "
+                f"{gpu_text} | {floor_text} | {not_timed} | {run} | [{file_name}.md]({file_name}.md) |"
             )
     return "\n".join(lines) + "\n"
 

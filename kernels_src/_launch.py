@@ -34,22 +34,33 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _arg_key(value):
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    if isinstance(value, bool):  # before int: bool is an int subclass, and Triton types it i1
-        return bool, value
-    if isinstance(value, int):
-        return int, value == 1, value % 16 == 0, -(2**31) <= value < 2**31
-    if isinstance(value, float):
-        return float
+def _unsupported(value):
     raise TypeError(f"launch: unsupported kernel argument of type {type(value).__name__}")
+
+
+def _args_key(args: tuple) -> tuple:
+    """Triton's specialisation of the runtime arguments (see the module docstring), in one comprehension: a
+    function call per argument cost more than the rest of the launch on the H200 host."""
+    return tuple([
+        (value.dtype, value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor)
+        # bool before int: bool is an int subclass, and Triton types it i1.
+        else (bool, value) if isinstance(value, bool)
+        else (int, value == 1, value % 16 == 0, -(2**31) <= value < 2**31) if isinstance(value, int)
+        else float if isinstance(value, float)
+        else _unsupported(value)
+        for value in args
+    ])
 
 
 def _launch_hooks_active() -> bool:
     hook = triton.knobs.runtime.launch_enter_hook
     # Triton 3.6 stores a callable or None; later versions a HookChain whose `calls` list may be empty.
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+# Read once: `triton.jit` picks the interpreter when a kernel is defined (at this package's import), so a
+# later change of the variable could not switch our kernels anyway; reading os.environ costs ~1 us per call.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, num_warps: int,
@@ -62,27 +73,30 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, num_war
     kernel runs on the first tensor's device, whatever the current device is (Triton itself launches on the
     current one, which breaks models split across GPUs in one process).
     """
-    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
-    if os.environ.get("TRITON_INTERPRET") == "1" or _launch_hooks_active():
-        kernel[grid](*args, **constexprs, **options)
+    if _INTERPRETING or _launch_hooks_active():
+        kernel[grid](*args, **constexprs, **_options(num_warps, num_stages))
         return
     device = args[0].get_device()
     if device != torch.cuda.current_device():
         with torch.cuda.device(device):
-            _launch_on(device, kernel, grid, args, constexprs, options)
+            _launch_on(device, kernel, grid, args, constexprs, num_warps, num_stages)
         return
-    _launch_on(device, kernel, grid, args, constexprs, options)
+    _launch_on(device, kernel, grid, args, constexprs, num_warps, num_stages)
 
 
-def _launch_on(device: int, kernel, grid, args, constexprs, options) -> None:
+def _options(num_warps: int, num_stages: int | None) -> dict:
+    return {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+
+
+def _launch_on(device: int, kernel, grid, args, constexprs, num_warps, num_stages) -> None:
     """The launch, with ``device`` current."""
-    key = (kernel, device, tuple(options.values()), tuple(constexprs.values()), tuple(_arg_key(a) for a in args))
+    key = (kernel, device, num_warps, num_stages, tuple(constexprs.values()), _args_key(args))
     compiled = _compiled.get(key)
     if compiled is None:
         if kernel.arg_names[len(args):] != list(constexprs):
             raise ValueError(f"launch: {kernel.__name__} takes {kernel.arg_names}; pass its runtime arguments in "
                              "order, then every constexpr in order")
-        _compiled[key] = kernel[grid](*args, **constexprs, **options)
+        _compiled[key] = kernel[grid](*args, **constexprs, **_options(num_warps, num_stages))
         return
     grid_x, grid_y, grid_z = (tuple(grid) + (1, 1))[:3]
     # The raw-stream getter Triton itself uses: torch.cuda.current_stream() builds a Stream object (~5 us).

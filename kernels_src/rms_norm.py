@@ -131,14 +131,18 @@ def _rms_norm_forward_kernel(
 
 
 @triton.jit
-def _grad_and_dw_term(h, dy, rstd, w_ptr, cols, col_mask, INPUT_DTYPE: tl.constexpr, MODE: tl.constexpr,
-                      HAS_WEIGHT: tl.constexpr):
+def _weight_or_one(w_ptr, cols, col_mask, MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """The factor g = dy * factor uses: w, 1 + w (GEMMA), or 1 without a weight (fp32, per column)."""
+    if HAS_WEIGHT:
+        return _weight_factor(w_ptr, cols, col_mask, MODE)
+    return tl.full(cols.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _grad_and_dw_term(h, dy, rstd, w_factor, INPUT_DTYPE: tl.constexpr, MODE: tl.constexpr):
     """For one tile: x_hat, g (the gradient reaching x_hat) and dy * x_hat as the weight sees it."""
     x_hat = h * rstd[:, None]
-    if HAS_WEIGHT:
-        g = dy * _weight_factor(w_ptr, cols, col_mask, MODE)[None, :]
-    else:
-        g = dy
+    g = dy * w_factor[None, :]
     if MODE == LLAMA:
         dw_term = dy * x_hat.to(INPUT_DTYPE).to(tl.float32)
     else:
@@ -154,6 +158,16 @@ def _store_dx(g, x_hat, rstd, mean_gx, dr_ptr, dr_rows, dr_stride_col, dx_ptr, d
     if HAS_D_RESIDUAL:
         dx += _load_tile(dr_ptr, dr_rows, cols, dr_stride_col, mask)
     tl.store(dx_ptr + dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_row_block(ptr, block, rows_inner, stride_outer, stride_inner, stride_col, cols, col_mask, n_rows,
+                    BLOCK_ROWS: tl.constexpr):
+    """Whole rows ``block * BLOCK_ROWS ...`` of a strided tensor in its own dtype (rows past the end read nothing)."""
+    rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    offsets = _row_offsets(rows, rows_inner, stride_outer, stride_inner)
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    return tl.load(ptr + offsets[:, None] + cols[None, :] * stride_col, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -175,34 +189,47 @@ def _rms_norm_backward_kernel(
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_COLS)
         col_mask = cols < n_cols
+        w_factor = _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT)  # once, not per row block
         dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+        # Software prefetch: the next row block's h and dy are requested before this block's reductions and
+        # stores, so a program keeps loads in flight across its whole loop (a few programs per SM only, since
+        # each holds a dw accumulator).
+        h_next = _load_row_block(h_ptr, pid, rows_inner, h_stride_outer, h_stride_inner, h_stride_col, cols,
+                                 col_mask, n_rows, BLOCK_ROWS)
+        dy_next = _load_row_block(dy_ptr, pid, rows_inner, dy_stride_outer, dy_stride_inner, dy_stride_col, cols,
+                                  col_mask, n_rows, BLOCK_ROWS)
+        for block in range(pid, n_row_blocks, n_programs):
+            h = h_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            h_next = _load_row_block(h_ptr, block + n_programs, rows_inner, h_stride_outer, h_stride_inner,
+                                     h_stride_col, cols, col_mask, n_rows, BLOCK_ROWS)
+            dy_next = _load_row_block(dy_ptr, block + n_programs, rows_inner, dy_stride_outer, dy_stride_inner,
+                                      dy_stride_col, cols, col_mask, n_rows, BLOCK_ROWS)
+            rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            mask = (rows < n_rows)[:, None] & col_mask[None, :]
+            rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
+            x_hat, g, dw_term = _grad_and_dw_term(h, dy, rstd, w_factor, input_dtype, MODE)
+            mean_gx = tl.sum(g * x_hat, axis=1) / n_cols
+            _store_dx(g, x_hat, rstd, mean_gx, d_residual_out_ptr,
+                      _row_offsets(rows, rows_inner, dr_stride_outer, dr_stride_inner), dr_stride_col, dx_ptr,
+                      rows.to(tl.int64) * n_cols, cols, mask, HAS_D_RESIDUAL)
+            if COMPUTE_DW:
+                dw_acc += tl.where(mask, dw_term, 0.0)  # with eps = 0 a padded row's x_hat is NaN
+        if COMPUTE_DW:
+            tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     else:
         # This program owns dw_partial[pid]; zero it before accumulating chunk by chunk.
-        for start in range(0, n_cols, BLOCK_COLS):
-            cols = start + tl.arange(0, BLOCK_COLS)
-            if COMPUTE_DW:
+        if COMPUTE_DW:
+            for start in range(0, n_cols, BLOCK_COLS):
+                cols = start + tl.arange(0, BLOCK_COLS)
                 tl.store(dw_row + cols, tl.zeros((BLOCK_COLS,), dtype=tl.float32), mask=cols < n_cols)
-
-    for block in range(pid, n_row_blocks, n_programs):
-        rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < n_rows
-        dy_rows = _row_offsets(rows, rows_inner, dy_stride_outer, dy_stride_inner)
-        h_rows = _row_offsets(rows, rows_inner, h_stride_outer, h_stride_inner)
-        dr_rows = _row_offsets(rows, rows_inner, dr_stride_outer, dr_stride_inner)
-        dx_rows = rows.to(tl.int64) * n_cols
-        if SINGLE_PASS:
-            mask = row_mask[:, None] & col_mask[None, :]
-            h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask)
-            dy = _load_tile(dy_ptr, dy_rows, cols, dy_stride_col, mask)
-            rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
-            x_hat, g, dw_term = _grad_and_dw_term(h, dy, rstd, w_ptr, cols, col_mask, input_dtype, MODE,
-                                                  HAS_WEIGHT)
-            mean_gx = tl.sum(g * x_hat, axis=1) / n_cols
-            _store_dx(g, x_hat, rstd, mean_gx, d_residual_out_ptr, dr_rows, dr_stride_col, dx_ptr, dx_rows, cols,
-                      mask, HAS_D_RESIDUAL)
-            if COMPUTE_DW:
-                dw_acc += tl.where(mask, dw_term, 0.0)
-        else:
+        for block in range(pid, n_row_blocks, n_programs):
+            rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            dy_rows = _row_offsets(rows, rows_inner, dy_stride_outer, dy_stride_inner)
+            h_rows = _row_offsets(rows, rows_inner, h_stride_outer, h_stride_inner)
+            dr_rows = _row_offsets(rows, rows_inner, dr_stride_outer, dr_stride_inner)
+            dx_rows = rows.to(tl.int64) * n_cols
             # Pass 1: the row statistics sum(h^2) and sum(g * h).
             sum_sq = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
             sum_gh = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
@@ -212,8 +239,7 @@ def _rms_norm_backward_kernel(
                 mask = row_mask[:, None] & col_mask[None, :]
                 h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask)
                 g = _load_tile(dy_ptr, dy_rows, cols, dy_stride_col, mask)
-                if HAS_WEIGHT:
-                    g = g * _weight_factor(w_ptr, cols, col_mask, MODE)[None, :]
+                g = g * _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT)[None, :]
                 sum_sq += h * h
                 sum_gh += g * h
             rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
@@ -225,18 +251,15 @@ def _rms_norm_backward_kernel(
                 mask = row_mask[:, None] & col_mask[None, :]
                 h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask)
                 dy = _load_tile(dy_ptr, dy_rows, cols, dy_stride_col, mask)
-                x_hat, g, dw_term = _grad_and_dw_term(h, dy, rstd, w_ptr, cols, col_mask, input_dtype, MODE,
-                                                      HAS_WEIGHT)
+                x_hat, g, dw_term = _grad_and_dw_term(h, dy, rstd,
+                                                      _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT),
+                                                      input_dtype, MODE)
                 _store_dx(g, x_hat, rstd, mean_gx, d_residual_out_ptr, dr_rows, dr_stride_col, dx_ptr, dx_rows,
                           cols, mask, HAS_D_RESIDUAL)
                 if COMPUTE_DW:
                     partial = tl.load(dw_row + cols, mask=col_mask, other=0.0)
                     partial += tl.sum(tl.where(mask, dw_term, 0.0), axis=0)
                     tl.store(dw_row + cols, partial, mask=col_mask)
-
-    if SINGLE_PASS:
-        if COMPUTE_DW:
-            tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
 @triton.jit

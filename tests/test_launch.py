@@ -29,7 +29,7 @@ def test_key_separates_every_triton_specialisation(fk):
     # Aligned and misaligned pointers; integers that are 1, multiples of 16, neither, and beyond int32.
     for offset, rows, cols in itertools.product((0, 1, 4), (1, 16, 17, 2**31 + 16), (1, 32, 33)):
         args = (storage[offset:], storage[offset + 1:], rows, cols)
-        ours = tuple(launch._arg_key(a) for a in args)
+        ours = launch._args_key(args)
         theirs = _triton_specialisation(kernel, args, constexprs, 8)
         assert seen.setdefault(ours, theirs) == theirs, f"one launch key for two Triton specialisations: {args[2:]}"
 

@@ -49,9 +49,14 @@ def check_choice(name: str, value, choices):
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 
 
+# Read once, at import: `triton.jit` chooses the interpreter when our kernels are defined (also at import), so
+# the variable cannot switch them later; reading os.environ on every op call costs ~1 us of host time.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    """True while Triton's CPU interpreter is on: CPU tensors then run the Triton kernels too."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton's CPU interpreter was on at import: CPU tensors then run the Triton kernels too."""
+    return _INTERPRETING
 
 
 def runs_triton(t: torch.Tensor) -> bool:
