@@ -3,6 +3,7 @@
 The same tests run on the CPU (Triton interpreter, small shapes) and compiled on a GPU (realistic shapes).
 """
 
+import importlib
 import math
 
 import pytest
@@ -207,6 +208,24 @@ def test_empty_batch(fk):
     y.sum().backward()
     assert x.grad.shape == x.shape
     assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("tile", [(2, 1024), (1, 16384)], ids=["prefetching", "widest-tile-without-prefetch"])
+def test_both_whole_row_backward_schedules(fk, monkeypatch, tile, with_residual):
+    """The whole-row backward prefetches the next row block for tiles up to PREFETCH_MAX_TILE elements and
+    loads plainly above; both schedules give the reference gradients, whatever the device's launch table picks."""
+    module = importlib.import_module(fk.__name__ + ".rms_norm")
+    prefetches = tile[0] * tile[1] <= module._triton_rms_norm.PREFETCH_MAX_TILE
+    assert prefetches == (tile == (2, 1024))
+    table_pick = module.pick
+
+    def pick_tile(family, kernel, device, n_cols):
+        config = table_pick(family, kernel, device, n_cols)
+        return {**config, "block_rows": tile[0], "block_cols": tile[1]} if kernel == "backward" else config
+
+    monkeypatch.setattr(module, "pick", pick_tile)
+    check_against_references(fk, (37, 1000), torch.bfloat16, "llama", True, with_residual)
 
 
 def test_backward_is_deterministic(fk):
