@@ -19,8 +19,10 @@ across chunks is a known cause of divergence). For fp32 weights the buffer is th
 precision the rounded gradient's own storage holds the fp32 sums of its first rows (up to half of them, which
 is all it has room for) and a second buffer the rest; the end rounds both into that storage in place
 (``_WeightGradSum``), so no rounded copy coexists with the sums. Each later chunk re-reads and re-writes the
-sums, so the default chunk is as large as the budget allows (``CHUNK_BYTES`` of chunk logits, three chunks for
-8192 tokens of a 152k vocabulary).
+sums, so the default chunk is as large as the budget allows: ``CHUNK_BYTES`` of chunk logits (three chunks for
+8192 tokens of a 152k vocabulary), but no more than the fp32 sums themselves, which are live beside the chunk.
+For a small hidden size (Qwen3-0.6B: 0.58 GiB of sums) a larger chunk would only raise the peak, and the sums'
+re-read per chunk is cheap there.
 
 Low memory (``low_memory=True``). Instead of an fp32 ``(vocab, hidden)`` sum, the vocabulary goes in the outer
 loop, which needs every token's log-sum-exp first:
@@ -83,6 +85,15 @@ def _equal_parts(n: int, other: int, itemsize: int, budget: int) -> int:
 def chunk_tokens_for(n_tokens: int, vocab: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Tokens per chunk: the fewest equal chunks whose logits fit in about ``chunk_bytes``."""
     return _equal_parts(n_tokens, vocab, itemsize, chunk_bytes)
+
+
+def default_chunk_budget(weight: torch.Tensor, low_memory: bool) -> int:
+    """Bytes of chunk logits the default chunk may hold: ``CHUNK_BYTES``, capped by what is live beside the chunk
+    anyway (never below ``SLICE_BYTES``). The default pass caps it at the fp32 weight-gradient sums; the
+    low-memory loss pass ends before the gradient pass allocates the weight gradient, so there a chunk the size
+    of the weight does not raise the peak."""
+    alongside = weight.numel() * (weight.element_size() if low_memory else 4)
+    return min(CHUNK_BYTES, max(SLICE_BYTES, alongside))
 
 
 def chunk_vocab_for(n_tokens: int, vocab: int, itemsize: int, slice_bytes: int = SLICE_BYTES) -> int:
@@ -454,7 +465,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         class_weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss: as in
             ``cross_entropy`` (``class_weight`` is its ``weight``).
         chunk_tokens: tokens per chunk of the token-chunked pass; default: as many as fit ``CHUNK_BYTES``
-            (1 GiB) of chunk logits, and with ``low_memory`` no more than the weight's size.
+            (1 GiB) of chunk logits, and no more than the fp32 weight-gradient sums (with ``low_memory``, the
+            weight) take.
         low_memory: the vocabulary-sliced algorithm (module docstring): a third more GEMM work, and instead of
             the fp32 ``(vocab, hidden_size)`` weight-gradient sum only an fp32 ``(tokens, hidden_size)`` one.
         chunk_vocab: vocabulary columns per slice with ``low_memory``; default: as many as fit ``SLICE_BYTES``
@@ -472,10 +484,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         n_tokens = hidden.numel() // hidden.shape[-1] if hidden.dim() and hidden.shape[-1] else 0
         vocab, itemsize = weight.shape[0], hidden.element_size()
         if chunk_tokens is None:
-            # The low-memory loss pass ends before the gradient pass allocates the weight gradient, so a chunk
-            # the size of the weight (at least a slice's budget) does not raise the peak.
-            budget = min(CHUNK_BYTES, max(SLICE_BYTES, weight.numel() * itemsize)) if low_memory else CHUNK_BYTES
-            chunk_tokens = chunk_tokens_for(n_tokens, vocab, itemsize, budget)
+            chunk_tokens = chunk_tokens_for(n_tokens, vocab, itemsize, default_chunk_budget(weight, low_memory))
         if low_memory and chunk_vocab is None:
             chunk_vocab = chunk_vocab_for(n_tokens, vocab, itemsize)
     needs = _needs(hidden, weight, bias)
