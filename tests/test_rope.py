@@ -162,6 +162,26 @@ def test_layouts(fk, poisoned_empty, heads_dim, transposed, cos_batch):
     assert q_out.stride() == torch.empty_like(q).stride(), "the output keeps the input's memory layout"
 
 
+@pytest.mark.parametrize("heads_dim", [1, 2])
+def test_gradients_take_the_layout_of_q_and_k(fk, heads_dim):
+    """Incoming gradients in another layout than q and k (contiguous, while q and k are transposed views): the
+    gradients come back in q's and k's own layout, so autograd need not copy them into a leaf's layout, nor a
+    view's backward into its base's; the values are the reference's."""
+    batch, seq, q_heads, k_heads, head_dim, rotary_dim = SHAPES[1]
+    q, k = make_qk(batch, seq, q_heads, k_heads, head_dim, torch.float32, heads_dim, transposed=True)
+    cos, sin = angle_tables(batch, seq, rotary_dim, False, torch.float32)
+    qa, ka = leaf(q), leaf(k)
+    q_out, k_out = fk.apply_rotary_pos_emb(qa, ka, cos, sin, heads_dim)
+    dq, dk = torch.randn(q_out.shape, device=DEVICE), torch.randn(k_out.shape, device=DEVICE)
+    assert dq.stride() != q.stride()
+    grad_q, grad_k = torch.autograd.grad((q_out, k_out), (qa, ka), (dq, dk))
+    for x, grad, grad_out in ((q, grad_q, dq), (k, grad_k, dk)):
+        assert grad.stride() == x.stride()
+        x64 = leaf(x.double())
+        reference_float64(x64, cos, sin, heads_dim, False).backward(grad_out.double())
+        torch.testing.assert_close(grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_strided_views_of_a_fused_projection(fk, poisoned_empty):
     """q and k as slices of one (batch, seq, (hq + hk) * head_dim) projection, and cos/sin sliced from
     wider tables: nothing is contiguous and nothing is copied."""
