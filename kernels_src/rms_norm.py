@@ -335,7 +335,7 @@ def rms_norm_backward(dy, dy_layout, h, h_layout, weight, d_residual_out, d_resi
         dict(MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, COMPUTE_DW=dw is not None,
              HAS_D_RESIDUAL=d_residual_out is not None,
              BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=block_cols >= n_cols,
-             PREFETCH=block_rows * block_cols <= PREFETCH_MAX_TILE),
+             PREFETCH=block_cols >= n_cols and block_rows * block_cols <= PREFETCH_MAX_TILE),
         num_warps)
     if dw is not None:
         # Narrow strips and tall tiles: enough programs, and enough bytes in flight per program, that summing
