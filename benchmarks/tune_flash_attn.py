@@ -25,20 +25,23 @@ from launch_tables import write_device_entries
 
 HEAD_DIMS = (64, 128, 256)
 BLOCK_M = (64, 128)
+# The dK/dV pass holds a key tile and streams query tiles: narrow query tiles (a key tile of 128 with query tiles
+# of 32 is a common Hopper choice) are tried there too.
+DKDV_BLOCK_M = (32, 64, 128)
 BLOCK_N = (32, 64, 128)
 WARPS = (4, 8)
 STAGES = (2, 3)
 
 
-def candidates():
-    for block_m, block_n, warps, stages in itertools.product(BLOCK_M, BLOCK_N, WARPS, STAGES):
+def candidates(block_ms):
+    for block_m, block_n, warps, stages in itertools.product(block_ms, BLOCK_N, WARPS, STAGES):
         yield {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
 
 
-def fastest(label, timed):
+def fastest(label, timed, block_ms=BLOCK_M):
     """The candidate with the lowest time; ``timed(config)`` returns milliseconds or raises if it cannot run."""
     best = None
-    for config in candidates():
+    for config in candidates(block_ms):
         try:
             ms = timed(config)
         except Exception as error:  # noqa: BLE001 - out of resources and the like: not a candidate
@@ -93,7 +96,7 @@ def main():
 
         row = None if head_dim == HEAD_DIMS[-1] else head_dim
         current = {key: value for key, value in tuned["backward_dq"][row].items() if key != "max_cols"}
-        dkdv_tile = fastest(f"d={head_dim} backward dK/dV", lambda tile: backward(tile, current))
+        dkdv_tile = fastest(f"d={head_dim} backward dK/dV", lambda tile: backward(tile, current), DKDV_BLOCK_M)
         dq_tile = fastest(f"d={head_dim} backward dQ", lambda tile: backward(dkdv_tile, tile))
         for kernel, tile in (("forward", forward_tile), ("backward_dkdv", dkdv_tile), ("backward_dq", dq_tile)):
             tuned[kernel][row] = {"max_cols": row, **tile}
