@@ -230,7 +230,7 @@ def loss_constants(target, weight, constants, n_rows, n_cols, ignore_index, weig
 
 def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, row_stats, dlogits, grad_out, n_rows, n_cols,
                        ignore_index, label_smoothing, lse_square_scale, softcap, mean, *, loss_pass, grad_pass,
-                       block_cols, num_warps, n_classes=None, col_start=0):
+                       block_cols, num_warps, num_stages=None, n_classes=None, col_start=0):
     """Launch the row kernel over ``n_rows`` rows of the 2-D ``logits`` (any strides).
 
     ``logits`` holds columns ``[col_start, col_start + n_cols)`` of rows of ``n_classes`` classes (default: the
@@ -241,7 +241,8 @@ def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, row_stat
     its shifted sum, whose sum is lse) are written when ``loss_pass``; ``row_stats`` is read otherwise. ``z_loss``
     (may be None) receives the z-loss part of each row's loss. ``dlogits`` (2-D, unit column stride; may be
     ``logits`` itself) receives the gradient when ``grad_pass``, scaled by ``grad_out`` when given (one value
-    per row, or a single value). ``softcap`` is None or > 0. One program per row.
+    per row, or a single value). ``softcap`` is None or > 0. One program per row. ``num_stages``: the software
+    pipelining depth of the column loops (None: Triton's default).
     """
     n_classes = n_cols if n_classes is None else n_classes
     if grad_out is not None:
@@ -260,7 +261,7 @@ def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, row_stat
         dict(HAS_WEIGHT=weight is not None, HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=lse_square_scale > 0,
              HAS_SOFTCAP=softcap is not None, MEAN=mean, LOSS_PASS=loss_pass, STORE_Z_LOSS=z_loss is not None,
              GRAD_PASS=grad_pass, HAS_GRAD_OUT=grad_out is not None, BLOCK_COLS=block_cols),
-        num_warps)
+        num_warps, num_stages)
 
 
 def scale_(x, scale, *, block, num_warps):

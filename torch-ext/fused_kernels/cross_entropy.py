@@ -196,7 +196,8 @@ def loss_rows(logits, target, weight, constants, opts: LossOptions, *, loss=None
             logits, target, weight, constants, loss, z_loss, row_stats, dlogits, grad_out, logits.shape[0],
             logits.shape[1], opts.ignore_index, opts.label_smoothing, opts.lse_square_scale, opts.softcap,
             opts.reduction == "mean", loss_pass=loss_pass, grad_pass=grad_pass, block_cols=config["block_cols"],
-            num_warps=config["num_warps"], n_classes=n_classes, col_start=col_start)
+            num_warps=config["num_warps"], num_stages=config.get("num_stages"), n_classes=n_classes,
+            col_start=col_start)
     else:
         _torch_rows(logits, target, weight, constants, opts, loss, z_loss, row_stats, dlogits, grad_out, loss_pass,
                     grad_pass, n_classes, col_start)
