@@ -15,8 +15,6 @@ compiles (or loads from Triton's cache) and launches; so does every call under t
 every call while a Triton launch hook (a profiler) is installed, so profilers still see every launch.
 """
 
-import os
-
 import torch
 import triton
 
@@ -58,9 +56,9 @@ def _launch_hooks_active() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-# Read once: `triton.jit` picks the interpreter when a kernel is defined (at this package's import), so a
-# later change of the variable could not switch our kernels anyway; reading os.environ costs ~1 us per call.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# Read once, as Triton reads it: `triton.jit` picks the interpreter when a kernel is defined (at this package's
+# import), so a later change could not switch our kernels anyway; reading the environment costs ~1 us per call.
+_INTERPRETING = bool(triton.knobs.runtime.interpret)
 
 
 def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, num_warps: int,

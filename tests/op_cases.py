@@ -9,7 +9,8 @@ def _rand(*shape, dtype=torch.bfloat16):
 
 def op_cases(fk, dropout_p=0.1):
     """name -> (run, inputs): ``run()`` returns the tensors to differentiate (their sum's backward runs too);
-    ``inputs`` are the tensors it reads, which a caller may overwrite in place between calls."""
+    ``inputs`` are the tensors it reads, which a caller may overwrite in place between calls (int64: class
+    targets in [0, 4000) or -100, ignored; int32: cu_seqlens of two sequences of 256 tokens, at most 156 long)."""
     tokens, hidden, vocab = 256, 512, 4000
     x, w, residual = _rand(tokens, hidden), _rand(hidden), _rand(tokens, hidden)
     q, k = _rand(2, 8, 128, 64), _rand(2, 2, 128, 64)
@@ -19,7 +20,7 @@ def op_cases(fk, dropout_p=0.1):
     cu_seqlens = torch.tensor([0, 100, 256], device="cuda", dtype=torch.int32)
     qv, kv, vv = _rand(256, 8, 64), _rand(256, 2, 64), _rand(256, 2, 64)
     logits, target = _rand(tokens, vocab, dtype=torch.float32), torch.randint(0, vocab, (tokens,), device="cuda")
-    lm_head = _rand(vocab, hidden)
+    lm_head = (0.05 * torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16)).requires_grad_()
     return {
         "rms_norm": (lambda: (fk.rms_norm(x, w),), [x, w]),
         "fused_add_rms_norm": (lambda: fk.fused_add_rms_norm(x, residual, w), [x, residual, w]),
@@ -27,7 +28,7 @@ def op_cases(fk, dropout_p=0.1):
         "swiglu": (lambda: (fk.swiglu(gate, up),), [gate, up]),
         "flash_attn": (lambda: (fk.flash_attn_func(qa, ka, va, causal=True, dropout_p=dropout_p),), [qa, ka, va]),
         "flash_attn_varlen": (lambda: (fk.flash_attn_varlen_func(qv, kv, vv, cu_seqlens, cu_seqlens, 156, 156,
-                                                                 causal=True),), [qv, kv, vv]),
+                                                                 causal=True),), [qv, kv, vv, cu_seqlens]),
         "cross_entropy": (lambda: (fk.cross_entropy(logits, target, label_smoothing=0.1),), [logits, target]),
         "cross_entropy_none": (lambda: (fk.cross_entropy(logits, target, reduction="none"),), [logits, target]),
         "fused_linear_cross_entropy": (lambda: (fk.fused_linear_cross_entropy(x, lm_head, target),),

@@ -1,6 +1,6 @@
 """Every op's forward and backward can be captured in a CUDA graph and replayed on new inputs, giving what eager
-calls give on those inputs. Nothing computed on the host from tensor values (a "mean" denominator, a chunk count,
-a sequence length) may bake into the graph: `torch.compile(mode="reduce-overhead")` and hand-captured training
+calls give on those inputs. Nothing derived from tensor values (a "mean" denominator over the targets that are
+not ignored, the sequence boundaries of a varlen batch) may bake into the graph: `torch.compile(mode="reduce-overhead")` and hand-captured training
 steps rely on it, and on a host as slow as the H200's they are how small layers stop being host-bound.
 
 GPU only. Dropout is off: replays draw fresh random numbers and eager calls others, so they could not be compared.
@@ -16,12 +16,21 @@ from op_cases import CASE_NAMES, forward_backward, op_cases
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 
 
-def _refresh(inputs, spread):
-    """New values in place: floats redrawn with standard deviation ``spread`` (a loss over new logits of the same
-    spread would barely move), integer targets permuted (so they stay valid class indices)."""
+def _refresh(inputs, spread, ignore_some):
+    """New values in place. Floats are redrawn at ``spread`` times their current spread (a loss over new logits of
+    the same spread would barely move). Targets (int64) are permuted and, with ``ignore_some``, every fifth is set
+    to the ignore index, which changes the "mean" denominator. Sequence boundaries (int32 cu_seqlens) are
+    mirrored: lengths (100, 156) become (156, 100) and back."""
     with torch.no_grad():
         for t in inputs:
-            t.copy_(torch.randn_like(t) * spread if t.is_floating_point() else t.roll(1))
+            if t.is_floating_point():
+                t.copy_(torch.randn_like(t) * (spread * t.float().std()).to(t.dtype))
+            elif t.dtype == torch.int64:
+                t.copy_(t.roll(1))
+                if ignore_some:
+                    t[::5] = -100
+            else:
+                t.copy_(t[-1] - t.flip(0))
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
@@ -45,8 +54,8 @@ def test_forward_and_backward_replay_in_a_cuda_graph(fk, name):
         graph_outputs = forward_backward(run)
     graph_grads = [leaf.grad for leaf in leaves]  # the graph rewrites these on every replay
 
-    for spread in (2.0, 0.5):
-        _refresh(inputs, spread)
+    for spread, ignore_some in ((2.0, False), (0.5, True)):
+        _refresh(inputs, spread, ignore_some)
         graph.replay()
         replayed = [t.detach().clone() for t in (*graph_outputs, *graph_grads)]
         for leaf in leaves:

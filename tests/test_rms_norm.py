@@ -222,9 +222,13 @@ def test_both_whole_row_backward_schedules(fk, monkeypatch, tile, with_residual)
 
     def pick_tile(family, kernel, device, n_cols):
         config = table_pick(family, kernel, device, n_cols)
-        return {**config, "block_rows": tile[0], "block_cols": tile[1]} if kernel == "backward" else config
+        if kernel != "backward":
+            return config
+        return {**config, "block_rows": tile[0], "block_cols": tile[1], "programs_per_sm": 3}
 
     monkeypatch.setattr(module, "pick", pick_tile)
+    # Three programs in all, so that each walks several row blocks and hands its prefetched block on.
+    monkeypatch.setattr(module, "multiprocessor_count", lambda device: 1)
     check_against_references(fk, (37, 1000), torch.bfloat16, "llama", True, with_residual)
 
 

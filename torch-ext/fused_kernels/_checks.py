@@ -1,7 +1,6 @@
 """Argument validation shared by every op: each failure names the argument and what was expected."""
 
 import math
-import os
 
 import torch
 
@@ -49,9 +48,15 @@ def check_choice(name: str, value, choices):
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 
 
-# Read once, at import: `triton.jit` chooses the interpreter when our kernels are defined (also at import), so
-# the variable cannot switch them later; reading os.environ on every op call costs ~1 us of host time.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Read once, at import, as Triton reads it: `triton.jit` chooses the interpreter when our kernels are defined
+# (also at import), so the variable cannot switch them later; reading it on every op call costs ~1 us of host
+# time. The torch-cpu variant never runs Triton (and may lack it).
+if BACKEND == "cuda":
+    import triton
+
+    _INTERPRETING = bool(triton.knobs.runtime.interpret)
+else:
+    _INTERPRETING = False
 
 
 def interpreting() -> bool:

@@ -87,12 +87,18 @@ def chunk_tokens_for(n_tokens: int, vocab: int, itemsize: int, chunk_bytes: int 
     return _equal_parts(n_tokens, vocab, itemsize, chunk_bytes)
 
 
-def default_chunk_budget(weight: torch.Tensor, low_memory: bool) -> int:
+def default_chunk_budget(weight: torch.Tensor, low_memory: bool, weight_grad: bool = True) -> int:
     """Bytes of chunk logits the default chunk may hold: ``CHUNK_BYTES``, capped by what is live beside the chunk
-    anyway (never below ``SLICE_BYTES``). The default pass caps it at the fp32 weight-gradient sums; the
-    low-memory loss pass ends before the gradient pass allocates the weight gradient, so there a chunk the size
-    of the weight does not raise the peak."""
-    alongside = weight.numel() * (weight.element_size() if low_memory else 4)
+    anyway (never below ``SLICE_BYTES``). The default pass caps it at the fp32 weight-gradient sums (when the
+    weight needs a gradient: without one there are no sums, and no reason for smaller chunks); the low-memory
+    loss pass ends before the gradient pass allocates the weight gradient, so there a chunk the size of the
+    weight does not raise the peak."""
+    if low_memory:
+        alongside = weight.numel() * weight.element_size()
+    elif weight_grad:
+        alongside = weight.numel() * 4
+    else:
+        return CHUNK_BYTES
     return min(CHUNK_BYTES, max(SLICE_BYTES, alongside))
 
 
@@ -480,14 +486,15 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         raise TypeError(f"low_memory must be a bool, got {low_memory!r}")
     if chunk_vocab is not None and not low_memory:
         raise ValueError(f"chunk_vocab only applies with low_memory=True, got chunk_vocab={chunk_vocab!r}")
+    needs = _needs(hidden, weight, bias)
     if isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor):
         n_tokens = hidden.numel() // hidden.shape[-1] if hidden.dim() and hidden.shape[-1] else 0
         vocab, itemsize = weight.shape[0], hidden.element_size()
         if chunk_tokens is None:
-            chunk_tokens = chunk_tokens_for(n_tokens, vocab, itemsize, default_chunk_budget(weight, low_memory))
+            budget = default_chunk_budget(weight, low_memory, weight_grad=needs[1])
+            chunk_tokens = chunk_tokens_for(n_tokens, vocab, itemsize, budget)
         if low_memory and chunk_vocab is None:
             chunk_vocab = chunk_vocab_for(n_tokens, vocab, itemsize)
-    needs = _needs(hidden, weight, bias)
     if torch.compiler.is_compiling():
         loss, z_loss, *_ = _flce_op(hidden, weight, target, bias, class_weight, *opts, return_z_loss, chunk_tokens,
                                     chunk_vocab, *needs)
