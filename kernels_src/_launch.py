@@ -58,7 +58,7 @@ def _launch_hooks_active() -> bool:
 
 # Read once, as Triton reads it: `triton.jit` picks the interpreter when a kernel is defined (at this package's
 # import), so a later change could not switch our kernels anyway; reading the environment costs ~1 us per call.
-_INTERPRETING = bool(triton.knobs.runtime.interpret)
+INTERPRETING = bool(triton.knobs.runtime.interpret)
 
 
 def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, num_warps: int,
@@ -71,7 +71,7 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, num_war
     kernel runs on the first tensor's device, whatever the current device is (Triton itself launches on the
     current one, which breaks models split across GPUs in one process).
     """
-    if _INTERPRETING or _launch_hooks_active():
+    if INTERPRETING or _launch_hooks_active():
         kernel[grid](*args, **constexprs, **_options(num_warps, num_stages))
         return
     device = args[0].get_device()

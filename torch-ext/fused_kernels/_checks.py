@@ -48,13 +48,11 @@ def check_choice(name: str, value, choices):
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 
 
-# Read once, at import, as Triton reads it: `triton.jit` chooses the interpreter when our kernels are defined
-# (also at import), so the variable cannot switch them later; reading it on every op call costs ~1 us of host
-# time. The torch-cpu variant never runs Triton (and may lack it).
+# Whether Triton's interpreter was on when our kernels were defined, as the kernels package read it (once, at
+# import: reading the environment on every op call costs ~1 us of host time). The torch-cpu variant never runs
+# Triton and has no kernels package.
 if BACKEND == "cuda":
-    import triton
-
-    _INTERPRETING = bool(triton.knobs.runtime.interpret)
+    from ._kernels._launch import INTERPRETING as _INTERPRETING
 else:
     _INTERPRETING = False
 
