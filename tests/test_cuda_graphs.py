@@ -1,7 +1,8 @@
 """Every op's forward and backward can be captured in a CUDA graph and replayed on new inputs, giving what eager
 calls give on those inputs. Nothing derived from tensor values (a "mean" denominator over the targets that are
-not ignored, the sequence boundaries of a varlen batch) may bake into the graph: `torch.compile(mode="reduce-overhead")` and hand-captured training
-steps rely on it, and on a host as slow as the H200's they are how small layers stop being host-bound.
+not ignored, the sequence boundaries of a varlen batch) may bake into the graph:
+`torch.compile(mode="reduce-overhead")` and hand-captured training steps rely on it, and on a host as slow as the
+H200's they are how small layers stop being host-bound.
 
 GPU only. Dropout is off: replays draw fresh random numbers and eager calls others, so they could not be compared.
 """
