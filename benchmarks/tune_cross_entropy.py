@@ -12,8 +12,8 @@ warps) and deep pipelining (shared memory) bring down; whether one such program 
 in flight for the first read is what the timing decides. The result is data: the package reads it at run time and
 never autotunes.
 
-    python benchmarks/tune_cross_entropy.py --build <variants dir> [--write torch-ext/fused_kernels/configs/cross_entropy.json]
-                                            [--buckets 32768 151936]
+    python benchmarks/tune_cross_entropy.py --build <variants dir>
+        [--write torch-ext/fused_kernels/configs/cross_entropy.json] [--buckets 32768 151936]
 
 Each bucket serves the vocabularies up to it, the last one every larger vocabulary.
 """
