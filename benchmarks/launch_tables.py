@@ -4,6 +4,20 @@ import json
 from pathlib import Path
 
 
+def bucket_entries(configs: list[tuple[int, dict]]) -> list[dict]:
+    """Table entries from ``(bucket, config)`` pairs sorted by bucket: each bucket serves the row lengths up to it
+    and the last one every longer row. A config whose column block covers its whole bucket records no
+    ``block_cols`` (it then follows the row length); the last bucket's block is kept, since it must also serve
+    longer rows."""
+    entries = []
+    for i, (bucket, config) in enumerate(configs):
+        last = i == len(configs) - 1
+        if config["block_cols"] >= bucket and not last:
+            config = {key: value for key, value in config.items() if key != "block_cols"}
+        entries.append({"max_cols": None if last else bucket, **config})
+    return entries
+
+
 def write_device_entries(path: Path | None, device_name: str, entries: dict[str, list[dict]]) -> None:
     """Set ``device_name``'s entries for each kernel in the table at ``path``, keeping every other device's;
     without ``path``, print the table that would be written."""

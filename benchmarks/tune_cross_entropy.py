@@ -26,7 +26,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from launch_tables import write_device_entries
+from launch_tables import bucket_entries, write_device_entries
 
 BUCKETS = [2048, 8192, 32768, 151936]
 N_ROWS = 4096
@@ -89,18 +89,14 @@ def main():
 
     fk = kernels.get_local_kernel(args.build)
     device_name = torch.cuda.get_device_name()
-    entries = []
-    buckets = sorted(args.buckets)
-    for i, vocab in enumerate(buckets):
+    configs = []
+    for vocab in sorted(args.buckets):
         ms, config = tune(fk._kernels.cross_entropy, vocab)
         # Read twice and written once when nothing is reused from L2; above 1 x, the second read hit the cache.
         gbps = 3 * 2 * N_ROWS * vocab / (ms * 1e6)
         print(f"V={vocab:>7} T={N_ROWS}  {ms * 1e3:8.1f} us  {gbps:5.0f} GB/s as 3 passes  {config}", flush=True)
-        last = i == len(buckets) - 1
-        if config["block_cols"] >= vocab and not last:
-            config = {k: v for k, v in config.items() if k != "block_cols"}  # a whole row: follows the row length
-        entries.append({"max_cols": None if last else vocab, **config})
-    write_device_entries(args.write, device_name, {"rows": entries})
+        configs.append((vocab, config))
+    write_device_entries(args.write, device_name, {"rows": bucket_entries(configs)})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from launch_tables import write_device_entries
+from launch_tables import bucket_entries, write_device_entries
 
 BUCKETS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 TARGET_ELEMENTS = 64 * 1024 * 1024
@@ -64,16 +64,9 @@ def tune(kernel_module, n_cols, multiprocessors):
 
 
 def to_entries(results, kernel):
-    """Sorted table entries; a whole-row tile records no block_cols (it follows the row length). The last
-    bucket is longer than any single-pass tile, so its chunked config also serves every longer row."""
-    entries = []
-    for i, (n_cols, best) in enumerate(results):
-        config = dict(best[kernel][1])
-        last = i == len(results) - 1
-        if config["block_cols"] >= n_cols and not last:
-            config.pop("block_cols")
-        entries.append({"max_cols": None if last else n_cols, **config})
-    return entries
+    """Sorted table entries. The last bucket is longer than any single-pass tile, so its chunked config also
+    serves every longer row."""
+    return bucket_entries([(n_cols, best[kernel][1]) for n_cols, best in results])
 
 
 def main():
