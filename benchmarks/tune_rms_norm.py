@@ -5,9 +5,11 @@ and the backward kernel on bf16 inputs of about 64M elements (well past the L2 c
 The result is data: the package reads it at run time and never autotunes.
 
     python benchmarks/tune_rms_norm.py --build <variants dir> [--write torch-ext/fused_kernels/configs/rms_norm.json]
+                                       [--buckets 16384 32768 65536 131072]
 """
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -31,7 +33,9 @@ def candidate_tiles(n_cols):
     if whole <= MAX_SINGLE_PASS_COLS:
         tiles += [(rows, whole) for rows in (1, 2, 4, 8, 16, 32, 64) if 1024 <= rows * whole <= 8192 or
                   (rows == 1 and whole > 8192)]
-    tiles += [(1, cols) for cols in LOOPED_BLOCK_COLS if cols < whole]
+    # Chunked tiles of several rows share each pass over the program's dw row among them.
+    tiles += [(rows, cols) for cols in LOOPED_BLOCK_COLS for rows in (1, 2, 4) if cols < whole and
+              rows * cols <= 16384]
     return tiles
 
 
@@ -63,16 +67,23 @@ def tune(kernel_module, n_cols, multiprocessors):
     return n_rows, best
 
 
-def to_entries(results, kernel):
-    """Sorted table entries. The last bucket is longer than any single-pass tile, so its chunked config also
-    serves every longer row."""
-    return bucket_entries([(n_cols, best[kernel][1]) for n_cols, best in results])
+def to_entries(results, kernel, current):
+    """Sorted table entries: the tuned buckets' configs, and ``current``'s (the device's entries now) for the
+    buckets not tuned. The last bucket is longer than any single-pass tile, so its chunked config also serves
+    every longer row."""
+    configs = {BUCKETS[-1] if entry["max_cols"] is None else entry["max_cols"]:
+               {"block_cols": entry["max_cols"] or BUCKETS[-1],
+                **{key: value for key, value in entry.items() if key != "max_cols"}} for entry in current}
+    configs.update({n_cols: best[kernel][1] for n_cols, best in results})
+    return bucket_entries(sorted(configs.items()))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", type=Path, required=True, help="directory of built variants")
     parser.add_argument("--write", type=Path, help="config file to update (the device's entry only)")
+    parser.add_argument("--buckets", type=int, nargs="+", choices=BUCKETS, default=BUCKETS,
+                        help="hidden sizes to tune (default: all); the others keep the device's current entries")
     args = parser.parse_args()
 
     import kernels
@@ -81,14 +92,17 @@ def main():
     device_name = torch.cuda.get_device_name()
     multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
-    for n_cols in BUCKETS:
+    for n_cols in args.buckets:
         n_rows, best = tune(fk._kernels.rms_norm, n_cols, multiprocessors)
         results.append((n_cols, best))
         print(f"H={n_cols:>6} T={n_rows:>7}  fwd {best['forward'][0] * 1e3:8.1f} us {best['forward'][1]}  "
               f"bwd {best['backward'][0] * 1e3:8.1f} us {best['backward'][1]}", flush=True)
 
-    write_device_entries(args.write, device_name, {kernel: to_entries(results, kernel)
-                                                   for kernel in ("forward", "backward")})
+    config_file = args.write or Path(__file__).resolve().parent.parent / "torch-ext/fused_kernels/configs/rms_norm.json"
+    table = json.loads(config_file.read_text())
+    write_device_entries(args.write, device_name, {
+        kernel: to_entries(results, kernel, table[kernel].get(device_name, []))
+        for kernel in ("forward", "backward")})
 
 
 if __name__ == "__main__":

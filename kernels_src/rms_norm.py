@@ -89,6 +89,15 @@ def _scale_by_weight(x_hat, w_ptr, cols, col_mask, INPUT_DTYPE: tl.constexpr, MO
 
 
 @triton.jit
+def _chunk_start(chunk, n_chunks, BLOCK_COLS: tl.constexpr):
+    """First column of the ``chunk``-th chunk of a row walked backwards. A second pass over rows too long to stay
+    on chip walks them backwards: it then starts on the chunks the first pass read last, the likeliest to be still
+    in L2, whereas walking a span larger than what L2 keeps in the same order again gets no hits from an LRU-like
+    cache (every miss evicts the chunk needed next)."""
+    return (n_chunks - 1 - chunk) * BLOCK_COLS
+
+
+@triton.jit
 def _rms_norm_forward_kernel(
     x_ptr, residual_ptr, w_ptr, y_ptr, residual_out_ptr,
     n_rows, n_cols, rows_inner, eps,
@@ -122,8 +131,9 @@ def _rms_norm_forward_kernel(
                             out_rows, cols, mask, HAS_RESIDUAL)
             sum_sq += h * h
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
-        for start in range(0, n_cols, BLOCK_COLS):
-            cols = start + tl.arange(0, BLOCK_COLS)
+        n_chunks = tl.cdiv(n_cols, BLOCK_COLS)
+        for chunk in range(0, n_chunks):  # backwards: see _chunk_start
+            cols = _chunk_start(chunk, n_chunks, BLOCK_COLS) + tl.arange(0, BLOCK_COLS)
             col_mask = cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
             if HAS_RESIDUAL:
@@ -236,6 +246,7 @@ def _rms_norm_backward_kernel(
             for start in range(0, n_cols, BLOCK_COLS):
                 cols = start + tl.arange(0, BLOCK_COLS)
                 tl.store(dw_row + cols, tl.zeros((BLOCK_COLS,), dtype=tl.float32), mask=cols < n_cols)
+        n_chunks = tl.cdiv(n_cols, BLOCK_COLS)
         for block in range(pid, n_row_blocks, n_programs):
             rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
@@ -257,9 +268,10 @@ def _rms_norm_backward_kernel(
                 sum_gh += g * h
             rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
             mean_gx = tl.sum(sum_gh, axis=1) * rstd / n_cols
-            # Pass 2: dx, and this program's share of dw.
-            for start in range(0, n_cols, BLOCK_COLS):
-                cols = start + tl.arange(0, BLOCK_COLS)
+            # Pass 2: dx, and this program's share of dw; backwards, starting on the chunks pass 1 read last, the
+            # likeliest to be still in L2 (see _chunk_start).
+            for chunk in range(0, n_chunks):
+                cols = _chunk_start(chunk, n_chunks, BLOCK_COLS) + tl.arange(0, BLOCK_COLS)
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
                 h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask)
