@@ -207,18 +207,21 @@ def _loss_constants_kernel(target_ptr, weight_ptr, constants_ptr, n_rows, n_cols
 
 
 @triton.jit
-def _scale_kernel(x_ptr, scale_ptr, n_cols, stride_row, n_col_blocks, BLOCK: tl.constexpr):
-    """x[row, :] *= scale[0] in place, for rows of ``n_cols`` elements ``stride_row`` apart; nothing is read or
-    written when the scale is exactly 1."""
+def _scale_kernel(x_ptr, scale_ptr, n_cols, stride_row, n_col_blocks, n_blocks, BLOCK: tl.constexpr):
+    """x[row, :] *= scale[0] in place, for rows of ``n_cols`` elements ``stride_row`` apart, in ``n_blocks`` blocks
+    of BLOCK columns (``n_col_blocks`` per row); nothing is read or written when the scale is exactly 1.
+
+    A grid of a few programs per SM walks the blocks. With one program per block, merely launching the programs
+    that find the scale to be 1 took 0.09 ms per ``loss.backward()`` of an 8192 x 151936 cross-entropy."""
     scale = tl.load(scale_ptr).to(tl.float32)
     if scale != 1.0:
-        pid = tl.program_id(0).to(tl.int64)
-        row = pid // n_col_blocks
-        cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        ptrs = x_ptr + row * stride_row + cols
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(ptrs, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+        for block in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+            row = block // n_col_blocks
+            cols = (block % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            ptrs = x_ptr + row.to(tl.int64) * stride_row + cols
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptrs, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 def loss_constants(target, weight, constants, n_rows, n_cols, ignore_index, weight_sum, *, block, num_warps):
@@ -264,13 +267,14 @@ def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, row_stat
         num_warps, num_stages)
 
 
-def scale_(x, scale, *, block, num_warps):
+def scale_(x, scale, *, block, num_warps, num_programs):
     """``x *= scale`` in place (``scale``: a one-element device tensor), skipped on the device when it is 1.
-    ``x`` is 2-D with unit column stride, or 1-D contiguous."""
+    ``x`` is 2-D with unit column stride, or 1-D contiguous; at most ``num_programs`` programs."""
     x2d = x if x.dim() == 2 else x.view(1, -1)
     n_rows, n_cols = x2d.shape
     if x2d.numel() == 0:
         return
     n_col_blocks = cdiv(n_cols, block)
-    launch(_scale_kernel, (n_rows * n_col_blocks,), (x2d, scale, n_cols, x2d.stride(0), n_col_blocks),
+    n_blocks = n_rows * n_col_blocks
+    launch(_scale_kernel, (min(n_blocks, num_programs),), (x2d, scale, n_cols, x2d.stride(0), n_col_blocks, n_blocks),
            dict(BLOCK=block), num_warps)

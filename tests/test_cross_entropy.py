@@ -298,6 +298,18 @@ def test_loss_backward_with_unit_and_other_gradients(fk):
     assert rel_err(x3.grad, 3 * x1.grad) < 1e-6
 
 
+@pytest.mark.parametrize("scale_value", [1.0, 3.0])
+def test_gradient_scaling_walks_every_block(fk, scale_value):
+    """The in-place scaling of forward-computed gradients, with far more column blocks than programs (each program
+    walks several, the last row's last block partial), and a scale of exactly 1, which must leave the tensor as
+    it is."""
+    x = torch.randn(7, 45, device=DEVICE)
+    scale = torch.tensor([scale_value], device=DEVICE)
+    want = x * scale_value
+    fk._kernels.cross_entropy.scale_(x, scale, block=8, num_warps=1, num_programs=4)
+    assert torch.equal(x, want)
+
+
 def test_second_backward_through_the_graph_is_refused(fk):
     logits, target = make_inputs((4, 300), torch.float32)
     loss = fk.cross_entropy(leaf(logits), target)

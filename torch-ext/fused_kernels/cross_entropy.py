@@ -35,7 +35,7 @@ import torch
 
 from . import _checks
 from ._build_info import BACKEND
-from ._launch_config import pick
+from ._launch_config import multiprocessor_count, pick
 from ._ops import add_op_namespace_prefix
 
 if BACKEND == "cuda":
@@ -213,7 +213,8 @@ def scale_(t: torch.Tensor, scale: torch.Tensor) -> None:
     """``t *= scale`` in place (``scale`` a one-element tensor); free on the GPU when ``scale`` is exactly 1."""
     if _checks.runs_triton(t):
         config = pick(_CONFIG_FAMILY, "scale", t.device, t.shape[-1] if t.dim() else 1)
-        _triton_ce.scale_(t, scale, block=config["block_cols"], num_warps=config["num_warps"])
+        _triton_ce.scale_(t, scale, block=config["block_cols"], num_warps=config["num_warps"],
+                          num_programs=config["programs_per_sm"] * multiprocessor_count(t.device))
     else:
         t.mul_(scale.to(t.dtype))
 
