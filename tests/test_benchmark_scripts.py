@@ -85,3 +85,18 @@ def test_chunked_attention_reference_matches_one_pass(monkeypatch, causal):
     sdpa = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                             is_causal=causal, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(one_pass[0], sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_tuner_keeps_untuned_buckets(monkeypatch):
+    """tune_rms_norm.py --buckets rewrites only the tuned buckets' entries: with nothing tuned the device's table
+    comes back unchanged (whole-row entries without block_cols, the last entry's chunked config kept), and a tuned
+    bucket replaces exactly its own entry."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import tune_rms_norm
+
+    table = json.loads((REPO_ROOT / "torch-ext/fused_kernels/configs/rms_norm.json").read_text())
+    current = table["backward"]["NVIDIA H200"]
+    assert tune_rms_norm.to_entries([], "backward", current) == current
+    tuned = {"block_rows": 2, "block_cols": 4096, "num_warps": 8, "programs_per_sm": 1}
+    entries = tune_rms_norm.to_entries([(65536, {"backward": (0.1, tuned)})], "backward", current)
+    assert entries == [entry if entry["max_cols"] != 65536 else {"max_cols": 65536, **tuned} for entry in current]
