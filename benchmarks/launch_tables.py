@@ -1,7 +1,15 @@
-"""Writing tuned launch tables (``torch-ext/fused_kernels/configs/<family>.json``), shared by the tune scripts."""
+"""Reading and writing tuned launch tables (``torch-ext/fused_kernels/configs/<family>.json``), shared by the tune
+scripts."""
 
 import json
 from pathlib import Path
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "torch-ext" / "fused_kernels" / "configs"
+
+
+def read_table(path: Path | None, family: str) -> dict:
+    """The launch table at ``path``, or without one the package's own table of ``family``."""
+    return json.loads((path or CONFIGS_DIR / f"{family}.json").read_text())
 
 
 def bucket_entries(configs: list[tuple[int, dict]]) -> list[dict]:

@@ -15,13 +15,12 @@ table's rows for the others keep the current values).
 
 import argparse
 import itertools
-import json
 from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
-from launch_tables import write_device_entries
+from launch_tables import read_table, write_device_entries
 
 HEAD_DIMS = (64, 128, 256)
 BLOCK_M = (64, 128)
@@ -63,8 +62,7 @@ def main():
 
     fk = kernels.get_local_kernel(args.build)
     attn = fk._kernels.flash_attn
-    config_file = args.write or Path(__file__).resolve().parent.parent / "torch-ext/fused_kernels/configs/flash_attn.json"
-    table = json.loads(config_file.read_text())
+    table = read_table(args.write, "flash_attn")
     device_name = torch.cuda.get_device_name()
     # Start from the device's rows (or the defaults) so that head dims not tuned now keep theirs.
     tuned = {kernel: {entry["max_cols"]: entry for entry in table[kernel].get(device_name, table[kernel]["default"])}

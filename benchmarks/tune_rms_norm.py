@@ -9,14 +9,13 @@ The result is data: the package reads it at run time and never autotunes.
 """
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 import triton
 from triton.testing import do_bench
 
-from launch_tables import bucket_entries, write_device_entries
+from launch_tables import bucket_entries, read_table, write_device_entries
 
 BUCKETS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 TARGET_ELEMENTS = 64 * 1024 * 1024
@@ -98,8 +97,7 @@ def main():
         print(f"H={n_cols:>6} T={n_rows:>7}  fwd {best['forward'][0] * 1e3:8.1f} us {best['forward'][1]}  "
               f"bwd {best['backward'][0] * 1e3:8.1f} us {best['backward'][1]}", flush=True)
 
-    config_file = args.write or Path(__file__).resolve().parent.parent / "torch-ext/fused_kernels/configs/rms_norm.json"
-    table = json.loads(config_file.read_text())
+    table = read_table(args.write, "rms_norm")
     write_device_entries(args.write, device_name, {
         kernel: to_entries(results, kernel, table[kernel].get(device_name, []))
         for kernel in ("forward", "backward")})
