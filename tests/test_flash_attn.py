@@ -99,8 +99,10 @@ def run_and_check(fk, q, k, v, *, s_aux=None, **options):
         sink = s_aux.detach().clone().requires_grad_() if s_aux is not None else None
         extra = dict(options)
         if name == "ours":
-            extra = {key: val for key, val in extra.items() if key != "window"}
+            extra = {key: val for key, val in extra.items() if key not in ("window", "scale")}
             extra["window_size"] = options.get("window", (-1, -1))
+            if "scale" in options:
+                extra["softmax_scale"] = options["scale"]
         out = fn(*args, s_aux=sink, **extra)
         out.backward(dout.to(out.dtype))
         outs[name] = out.detach()
@@ -145,6 +147,16 @@ def test_softcap_saturates(fk, poisoned_empty):
     torch.manual_seed(4)
     q, k, v = make_qkv(1, 25, 31, 2, 1, 32, torch.float16, scale=4.0)
     run_and_check(fk, q, k, v, softcap=5.0, causal=True)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.7])
+def test_any_softmax_scale(fk, poisoned_empty, scale):
+    """FlashAttention-2 accepts any softmax_scale. With a positive one the forward takes each row's max on q.k
+    before scaling; a negative or zero one must not (the max of scale * q.k is then not scale * max(q.k), and
+    0 * -inf in masked columns is NaN)."""
+    torch.manual_seed(8)
+    q, k, v = make_qkv(2, 27, 35, 2, 1, 32, torch.float16)
+    run_and_check(fk, q, k, v, causal=True, scale=scale)
 
 
 def test_fully_masked_rows_output_zero_and_infinite_lse(fk):
