@@ -121,6 +121,19 @@ def _partner_tiles(start, BLOCK: tl.constexpr, length, partner_length, offset_lo
 
 
 @triton.jit
+def _run_bounds(run: tl.constexpr, lo, full_lo, full_hi, hi):
+    """[start, end) of one of the three runs of partner tiles from ``_partner_tiles``: 0 the masked tiles before the
+    whole ones, 1 the whole (unmasked) tiles, 2 the masked tiles after them. Each kernel loops over the runs with a
+    compile-time index, so that each run is its own loop with its own MASKED specialisation."""
+    if run == 0:
+        return lo, full_lo
+    elif run == 1:
+        return full_lo, full_hi
+    else:
+        return full_hi, hi
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head, k_start,
               seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr, drop_threshold,
               keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -202,11 +215,8 @@ def _fwd_kernel(
     shift = seqlen_k - seqlen_q
     lo, full_lo, full_hi, hi = _partner_tiles(row_start, BLOCK_M, seqlen_q, seqlen_k, shift - window_left,
                                               shift + window_right, BLOCK_N)
-    # Three runs of key tiles: [lo, full_lo) and [full_hi, hi) need masks, [full_lo, full_hi) none. The run index
-    # is a compile-time constant, so each run is its own loop with its own MASKED specialisation.
-    for run in tl.static_range(3):
-        start = lo if run == 0 else (full_lo if run == 1 else full_hi)
-        end = full_lo if run == 0 else (full_hi if run == 1 else hi)
+    for run in tl.static_range(3):  # masked, unmasked, masked key tiles
+        start, end = _run_bounds(run, lo, full_lo, full_hi, hi)
         for col_start in range(start, end, BLOCK_N):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head,
                                       kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
@@ -362,9 +372,8 @@ def _bwd_dkdv_kernel(
                                               -shift + window_left, BLOCK_M)
     for member in range(0, group_size):
         head = kv_head * group_size + member
-        for run in tl.static_range(3):  # masked, unmasked, masked query tiles (as in the forward)
-            start = lo if run == 0 else (full_lo if run == 1 else full_hi)
-            end = full_lo if run == 0 else (full_hi if run == 1 else hi)
+        for run in tl.static_range(3):  # masked, unmasked, masked query tiles
+            start, end = _run_bounds(run, lo, full_lo, full_hi, hi)
             for row_start in range(start, end, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delta_ptr, batch,
                                     head, n_heads, q_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
@@ -417,9 +426,8 @@ def _bwd_dq_kernel(
     shift = seqlen_k - seqlen_q
     lo, full_lo, full_hi, hi = _partner_tiles(row_start, BLOCK_M, seqlen_q, seqlen_k, shift - window_left,
                                               shift + window_right, BLOCK_N)
-    for run in tl.static_range(3):  # masked, unmasked, masked key tiles (as in the forward)
-        start = lo if run == 0 else (full_lo if run == 1 else full_hi)
-        end = full_lo if run == 0 else (full_hi if run == 1 else hi)
+    for run in tl.static_range(3):  # masked, unmasked, masked key tiles
+        start, end = _run_bounds(run, lo, full_lo, full_hi, hi)
         for col_start in range(start, end, BLOCK_N):
             dq, p_dp = _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch,
                                 batch_head, kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap,
