@@ -24,9 +24,10 @@ from launch_tables import read_table, write_device_entries
 
 HEAD_DIMS = (64, 128, 256)
 BLOCK_M = (64, 128)
-# The dK/dV pass holds a key tile and streams query tiles: narrow query tiles (a key tile of 128 with query tiles
-# of 32 is a common Hopper choice) are tried there too.
-DKDV_BLOCK_M = (32, 64, 128)
+# The dK/dV pass holds a key tile and streams query tiles: narrow query tiles are tried there too. Its two fp32
+# accumulators (dK and dV of the key tile) leave few registers for the score tiles: in an sm_90a build at head dim
+# 128 (ptxas -v), every tile of 32 queries or more spilled, and 128 keys by 16 queries on 8 warps did not.
+DKDV_BLOCK_M = (16, 32, 64, 128)
 BLOCK_N = (32, 64, 128)
 WARPS = (4, 8)
 STAGES = (2, 3)
