@@ -14,7 +14,7 @@ import pytest
 import torch
 from kernels.benchmark import Benchmark
 
-from conftest import REPO_ROOT
+from conftest import ON_GPU, REPO_ROOT
 from tooling_helpers import require_module
 
 SCRIPTS = sorted((REPO_ROOT / "benchmarks").glob("benchmark*.py"))
@@ -100,3 +100,21 @@ def test_rms_norm_tuner_keeps_untuned_buckets(monkeypatch):
     tuned = {"block_rows": 2, "block_cols": 4096, "num_warps": 8, "programs_per_sm": 1}
     entries = tune_rms_norm.to_entries([(65536, {"backward": (0.1, tuned)})], "backward", current)
     assert entries == [entry if entry["max_cols"] != 65536 else {"max_cols": 65536, **tuned} for entry in current]
+
+
+@pytest.mark.skipif(ON_GPU, reason="an offline tool for machines without a GPU (there, compiled kernels report "
+                                   "their registers themselves)")
+def test_register_report_compiles_offline():
+    """`register_report.py` compiles the flash-attention kernels for sm_90a on a machine without a GPU and reads
+    registers and spill bytes from `ptxas -v`: one row per kernel, and dK/dV once more per extra group size."""
+    command = [sys.executable, "register_report.py", "--head-dims", "64", "--kernels", "forward", "dkdv",
+               "--groups", "1", "2"]
+    proc = subprocess.run(command, cwd=BENCHMARKS_DIR, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in proc.stdout.splitlines()
+            if line.startswith("| 64 ")]
+    assert [(row[1], row[2]) for row in rows] == [("1", "fwd_kernel"), ("1", "bwd_dkdv_kernel"),
+                                                  ("2", "bwd_dkdv_kernel")]
+    for row in rows:
+        stores, loads = (int(x) for x in row[5].split(" / "))
+        assert 0 < int(row[4]) <= 255 and stores >= 0 and loads >= 0, row

@@ -1,0 +1,185 @@
+"""Registers and spills of the flash-attention kernels at the shipped tiles, compiled offline for an NVIDIA GPU
+architecture: no GPU needed, only Triton and the ptxas it bundles.
+
+Why. ptxas keeps at most 255 registers per thread and spills the rest to local memory, which a kernel then
+re-reads and re-writes in every loop iteration. On the H200 the flash-attention dK/dV pass spills (its two fp32
+accumulators plus its score tiles do not fit), and that is where the backward falls short. This reports it for
+any tile and head dim on a machine without a GPU, so that tiles and kernel changes can be screened before they are
+timed. The numbers come from this machine's Triton (3.9 on the CPU machines); the H200's Triton 3.6 allocates
+registers similarly, not identically (dK/dV at 64x64, 4 warps: both at the limit and spilling; dQ: 210 against
+213 registers, neither spilling).
+
+    python benchmarks/register_report.py [--arch 90] [--head-dims 64 128 256] [--groups 1 4]
+                                         [--device "NVIDIA H200"] [--tile dkdv=16,128,8,3]
+                                         [--kernels forward dkdv dq] [--source modified_flash_attn.py]
+
+How. The launchers of ``kernels_src/flash_attn.py`` are called with meta tensors of a benchmark shape while their
+``launch`` records instead of launching. Each recorded launch is compiled with ``triton.compile`` for the target
+with the specialisation Triton would give it on a GPU (integers equal to 1 become constants unless the kernel says
+``do_not_specialize``, multiples of 16 and tensors are marked 16-divisible), and ``ptxas -v`` reports registers and
+spill bytes.
+"""
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# The kernels must be compiled, not interpreted: triton.jit reads this when the kernel modules are imported.
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernels_src  # noqa: E402  (the package, importable from the repository root)
+
+from launch_tables import read_table  # noqa: E402
+
+KERNELS = {"forward": "forward", "dkdv": "backward_dkdv", "dq": "backward_dq"}
+_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+                  torch.int32: "*i32", torch.bool: "*i1"}
+
+
+def specialisation(kernel, args, constexprs):
+    """(signature, constexprs, attributes) for ``triton.compile`` as Triton's binder would make them on a GPU."""
+    names = kernel.arg_names
+    not_specialised = set(kernel.do_not_specialize or ())
+    signature, constants, attributes = {}, {}, {}
+    for index, (name, value) in enumerate(zip(names, args)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = _POINTER_TYPES[value.dtype]
+            attributes[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            if value == 1 and name not in not_specialised:
+                signature[name], constants[(index,)] = "constexpr", 1
+                continue
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0 and name not in not_specialised:
+                attributes[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: argument {name} of type {type(value).__name__}")
+    for name, value in constexprs.items():
+        signature[name] = "constexpr"
+        constants[(names.index(name),)] = value
+    return signature, constants, attributes
+
+
+def registers_and_spills(kernel, args, constexprs, num_warps, num_stages, arch):
+    """(registers, spill store bytes, spill load bytes) of one launch compiled for ``sm_<arch>``."""
+    signature, constants, attributes = specialisation(kernel, args, constexprs)
+    options = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages is not None else {})
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attributes), target=GPUTarget("cuda", arch, 32),
+                              options=options)
+    ptxas = get_ptxas(arch).path
+    suffix = "a" if arch >= 90 else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        report = subprocess.run([ptxas, f"-arch=sm_{arch}{suffix}", "-v", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+                                capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups())
+    return registers, stores, loads
+
+
+def load_kernels(source):
+    """kernels_src/flash_attn.py, or a modified copy of it at ``source`` (imported as part of kernels_src)."""
+    path = source or Path(kernels_src.__file__).parent / "flash_attn.py"
+    spec = importlib.util.spec_from_file_location("kernels_src.flash_attn", path)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "kernels_src"
+    spec.loader.exec_module(module)
+    return module
+
+
+def recorded_launches(flash_attn, head_dim, group, tiles):
+    """Every launch of one causal bf16 forward and backward at B1 S4096 with 2 kv heads and ``group`` query heads
+    per kv head, keyed by kernel name: (kernel, args, constexprs, num_warps, num_stages). Besides the tiles, the
+    group size changes the code: a group of 1 is specialised to the constant 1, which removes dK/dV's loop over
+    the group's heads (MHA); larger groups keep it (GQA)."""
+    launches = {}
+
+    def record(kernel, grid, args, constexprs, num_warps, num_stages=None):
+        launches[kernel.__name__] = (kernel, args, constexprs, num_warps, num_stages)
+
+    batch, seq, kv_heads = 1, 4096, 2
+    heads = kv_heads * group
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, out, dout, dq = (torch.empty(batch, seq, heads, head_dim, **meta) for _ in range(4))
+    k, v, dk, dv = (torch.empty(batch, seq, kv_heads, head_dim, **meta) for _ in range(4))
+    lse, delta = (torch.empty(batch, heads, seq, device="meta") for _ in range(2))
+    seed = torch.empty(1, device="meta", dtype=torch.int64)
+    common = (None, None, batch, seq, seq, head_dim**-0.5, 0.0, (1 << 30, 0), 0.0)
+    original, flash_attn.launch = flash_attn.launch, record
+    try:
+        flash_attn.flash_attn_forward(q, k, v, out, lse, None, seed, *common, tile=tiles["forward"])
+        flash_attn.flash_attn_backward(dout, q, k, v, out, lse, None, seed, dq, dk, dv, delta, None, *common,
+                                       dkdv_tile=tiles["backward_dkdv"], dq_tile=tiles["backward_dq"])
+    finally:
+        flash_attn.launch = original
+    return launches
+
+
+def shipped_tile(table, kernel, device, head_dim):
+    entries = table[kernel].get(device) or table[kernel]["default"]
+    entry = next(e for e in entries if e["max_cols"] is None or head_dim <= e["max_cols"])
+    return {key: value for key, value in entry.items() if key != "max_cols"}
+
+
+def parse_tile(text):
+    kernel, values = text.split("=")
+    block_m, block_n, warps, stages = (int(x) for x in values.split(","))
+    if kernel not in KERNELS:
+        raise argparse.ArgumentTypeError(f"--tile: kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    return KERNELS[kernel], {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90, 100 (default 90)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--device", default="NVIDIA H200", help="the launch table's device whose tiles are compiled")
+    parser.add_argument("--tile", type=parse_tile, action="append", default=[],
+                        help="override one kernel's tile: KERNEL=block_m,block_n,num_warps,num_stages "
+                             "(KERNEL: forward, dkdv or dq)")
+    parser.add_argument("--kernels", nargs="+", choices=sorted(KERNELS), default=sorted(KERNELS))
+    parser.add_argument("--source", type=Path,
+                        help="a modified copy of kernels_src/flash_attn.py to compile instead (to screen a change)")
+    parser.add_argument("--groups", type=int, nargs="+", default=[1, 4],
+                        help="query heads per kv head: 1 (MHA) and 4 (GQA, as Llama-3-8B) by default")
+    args = parser.parse_args()
+    table = read_table(None, "flash_attn")
+    flash_attn = load_kernels(args.source)
+    wanted = {f"_{'fwd' if k == 'forward' else 'bwd_' + k}_kernel" for k in args.kernels}
+    print("| head dim | group | kernel | tile (block_m x block_n, warps, stages) | registers | spill stores / loads "
+          "(bytes) |")
+    print("|---|---|---|---|---|---|")
+    for head_dim in args.head_dims:
+        tiles = {kernel: shipped_tile(table, kernel, args.device, head_dim) for kernel in KERNELS.values()}
+        tiles.update(dict(args.tile))
+        for group in args.groups:
+            for name, (kernel, launch_args, constexprs, warps, stages) in recorded_launches(flash_attn, head_dim, group,
+                                                                                             tiles).items():
+                if name not in wanted or (group != args.groups[0] and name != "_bwd_dkdv_kernel"):
+                    continue  # only dK/dV loops over the group; elsewhere the group size is one index division
+                registers, stores, loads = registers_and_spills(kernel, launch_args, constexprs, warps, stages,
+                                                                args.arch)
+                tile = f"{constexprs['BLOCK_M']}x{constexprs['BLOCK_N']}, {warps}, {stages if stages else 'default'}"
+                print(f"| {head_dim} | {group} | {name.strip('_')} | {tile} | {registers} | {stores} / {loads} |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
