@@ -29,6 +29,7 @@ test with --models tiny-qwen3 and small --batch/--seq. Timings there are wall-cl
 
 import argparse
 import ast
+import collections
 import gc
 import importlib
 import importlib.util
@@ -298,6 +299,23 @@ def kernel_family(name: str, ours: dict[str, str]) -> str:
     return "other"
 
 
+def _launch_sites(prof) -> dict[str, collections.Counter]:
+    """{kernel name: Counter of "op <- outermost op"}: the CPU op each GPU kernel was launched from and the
+    outermost op around it (an autograd node for kernels of the backward, a layer's op or ``aten::linear`` in the
+    forward); just "op" when it is outermost itself."""
+    sites: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for event in prof.events():
+        if not event.kernels:
+            continue
+        root = event
+        while root.cpu_parent is not None:
+            root = root.cpu_parent
+        site = event.name if root is event else f"{event.name} <- {root.name}"
+        for kernel in event.kernels:
+            sites[kernel.name][site] += 1
+    return sites
+
+
 def write_profile(step, args, device: torch.device, model_name: str, provider: str) -> None:
     """Profile two steps after the warm-up; write GPU time per op family and the top kernels (CPU: op self time)."""
     from torch.autograd import DeviceType
@@ -341,12 +359,16 @@ def write_profile(step, args, device: torch.device, model_name: str, provider: s
              "| family | ms per step | % of kernel time | launches per step |", "|---|---|---|---|"]
     for family, (ms, calls) in sorted(families.items(), key=lambda item: -item[1][0]):
         lines.append(f"| {family} | {ms:.2f} | {100 * ms / total_ms:.1f}% | {calls:g} |")
-    lines += ["", f"Top {args.profile_top} kernels:", "", "| kernel | family | ours | ms per step | calls per step |",
-              "|---|---|---|---|---|"]
+    sites = _launch_sites(prof) if on_gpu else {}
+    lines += ["", f"Top {args.profile_top} kernels (launched by: the op that launched it <- the outermost op around "
+              "it, with calls per step):", "",
+              "| kernel | family | ours | ms per step | calls per step | launched by |", "|---|---|---|---|---|---|"]
     for name, ms, calls in kernels[:args.profile_top]:
         short = name if len(name) <= 100 else name[:97] + "..."
+        launched_by = "; ".join(f"{site} ({count / profiled_steps:g})" for site, count in
+                                sites.get(name, collections.Counter()).most_common(2))
         lines.append(f"| `{short.replace('|', '/')}` | {kernel_family(name, ours)} | "
-                     f"{'yes' if is_ours(name) else ''} | {ms:.3f} | {calls:g} |")
+                     f"{'yes' if is_ours(name) else ''} | {ms:.3f} | {calls:g} | {launched_by.replace('|', '/')} |")
     path = args.profile_dir / f"e2e_profile_{model_name}_{provider}.md"
     path.write_text("\n".join(lines) + "\n")
     print(f"  profile written to {path}", flush=True)

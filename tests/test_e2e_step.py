@@ -67,3 +67,26 @@ def test_profile_attributes_time_to_our_op_families(build_dir, tmp_path):
     for family in ("rms_norm", "rope", "flash_attn"):
         assert f"| {family} |" in profile
     assert not (tmp_path / "e2e_step.json").exists(), "a profile run must not overwrite the timing results"
+
+
+def test_profile_names_the_op_that_launched_each_kernel(monkeypatch):
+    """The profile's "launched by" column: each GPU kernel under the op that launched it and the outermost op around
+    that one (profiler events stood in for by plain objects: a CPU machine launches no GPU kernels)."""
+    import collections
+    import importlib.util
+    from types import SimpleNamespace as Event
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its sibling modules (harness, ...)
+    spec = importlib.util.spec_from_file_location("e2e_step_under_test", SCRIPT)
+    e2e_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e_step)
+    kernel = lambda name: Event(name=name)  # noqa: E731
+    node = Event(name="autograd::engine::evaluate_function: MmBackward0", cpu_parent=None, kernels=[])
+    mm = Event(name="aten::mm", cpu_parent=node, kernels=[kernel("gemm"), kernel("gemm")])
+    cat = Event(name="aten::cat", cpu_parent=None, kernels=[kernel("cat_copy")])
+    idle = Event(name="aten::empty", cpu_parent=None, kernels=[])
+    prof = Event(events=lambda: [node, mm, cat, idle, cat])
+    assert e2e_step._launch_sites(prof) == {
+        "gemm": collections.Counter({"aten::mm <- autograd::engine::evaluate_function: MmBackward0": 2}),
+        "cat_copy": collections.Counter({"aten::cat": 2}),
+    }
