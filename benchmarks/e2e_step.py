@@ -124,7 +124,8 @@ def kernel_build(model: torch.nn.Module) -> dict:
 
 
 def train_step(model, optimizer, input_ids) -> torch.Tensor:
-    loss = model(input_ids=input_ids, labels=input_ids).loss
+    # No KV cache: transformers builds one by default even in training (a torch.cat of each layer's keys and values).
+    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
