@@ -47,6 +47,7 @@ def fastest(label, timed, block_ms=BLOCK_M):
         except Exception as error:  # noqa: BLE001 - out of resources and the like: not a candidate
             print(f"  {label} {config}: skipped ({type(error).__name__})", flush=True)
             continue
+        print(f"  {label} {config}: {ms * 1e3:.1f} us", flush=True)
         if best is None or ms < best[0]:
             best = (ms, config)
     print(f"{label}: {best[1]} {best[0] * 1e3:.1f} us", flush=True)
