@@ -134,6 +134,23 @@ def _run_bounds(run: tl.constexpr, lo, full_lo, full_hi, hi):
 
 
 @triton.jit
+def _tile_of_head(seqlen, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """(first row, or column, of this program's tile; its batch * n_heads + head index) in a 1-D launch grid of
+    cdiv(seqlen, BLOCK) tiles per (batch, head).
+
+    The grid is 1-D because CUDA caps its other two axes at 65535, fewer than the (batch, head) pairs of a packed
+    batch of thousands of sequences. Tiles vary fastest, so the programs of a head run together and share its K
+    and V in L2. LAST_FIRST hands a head's tiles out from the last one: under causal masking the last query tiles
+    see the most keys, and started first they leave the light tiles for the end of the grid."""
+    n_tiles = tl.cdiv(seqlen, BLOCK)
+    pid = tl.program_id(0)
+    tile = pid % n_tiles
+    if LAST_FIRST:
+        tile = n_tiles - 1 - tile
+    return tile * BLOCK, pid // n_tiles
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head, k_start,
               seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr, drop_threshold,
               keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -188,8 +205,7 @@ def _fwd_kernel(
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MAX_ON_QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    row_start = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
+    row_start, batch_head = _tile_of_head(fixed_seqlen_q, BLOCK_M, True)
     batch = batch_head // n_heads
     head = batch_head % n_heads
     kv_head = head // group_size
@@ -240,9 +256,9 @@ def _bwd_preprocess_kernel(
     IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """delta = rowsum(dO * O), from the stored (rounded) O, as dS = P * (dP - delta) uses it."""
-    row_start = tl.program_id(0) * BLOCK_M
-    batch = tl.program_id(1) // n_heads
-    head = tl.program_id(1) % n_heads
+    row_start, batch_head = _tile_of_head(fixed_seqlen_q, BLOCK_M, False)
+    batch = batch_head // n_heads
+    head = batch_head % n_heads
     q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
     if row_start >= seqlen_q:
         return
@@ -348,9 +364,10 @@ def _bwd_dkdv_kernel(
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    col_start = tl.program_id(0) * BLOCK_N
-    batch = tl.program_id(1) // n_kv_heads
-    kv_head = tl.program_id(1) % n_kv_heads
+    # Key tiles first to last: under causal masking the first ones see the most queries.
+    col_start, batch_kv_head = _tile_of_head(fixed_seqlen_k, BLOCK_N, False)
+    batch = batch_kv_head // n_kv_heads
+    kv_head = batch_kv_head % n_kv_heads
     q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
     k_start, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
     if col_start >= seqlen_k:
@@ -400,8 +417,7 @@ def _bwd_dq_kernel(
     """dQ of a query tile over its visible key tiles; with a sink, also each row's term -P_sink * dO.O of
     d(sink), with dO.O taken exactly as the row's sum of P * dP over the keys (fp32) rather than from the stored,
     rounded O."""
-    row_start = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
+    row_start, batch_head = _tile_of_head(fixed_seqlen_q, BLOCK_M, True)
     batch = batch_head // n_heads
     head = batch_head % n_heads
     kv_head = head // group_size
@@ -447,8 +463,7 @@ def _dropout_mask_kernel(mask_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, fixed_seq
                          seed_ptr, drop_threshold, max_seqlen_q, max_seqlen_k,
                          IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The keep mask as a (batch, heads, max_seqlen_q, max_seqlen_k) bool tensor (for return_attn_probs)."""
-    row_start = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
+    row_start, batch_head = _tile_of_head(max_seqlen_q, BLOCK_M, False)
     batch = batch_head // n_heads
     _, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
     _, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
@@ -502,7 +517,7 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
     threshold, keep_scale = _dropout_args(dropout_p)
     block_m, block_n = tile["block_m"], tile["block_n"]
     launch(
-        _fwd_kernel, (cdiv(seqlen_q, block_m), n_batch * n_heads),
+        _fwd_kernel, (cdiv(seqlen_q, block_m) * n_batch * n_heads,),
         (q, k, v, out, lse, sink if sink is not None else lse, cu_seqlens_q if varlen else lse,
          cu_seqlens_k if varlen else lse, seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim, scale,
          softcap, window[0], window[1], seed, threshold, keep_scale,
@@ -530,7 +545,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     lse_strides = _lse_strides(lse, varlen)
     rows_per_program = dq_tile["block_m"]
     launch(
-        _bwd_preprocess_kernel, (cdiv(seqlen_q, rows_per_program), n_batch * n_heads),
+        _bwd_preprocess_kernel, (cdiv(seqlen_q, rows_per_program) * n_batch * n_heads,),
         (out, dout, delta, cu_q, seqlen_q, n_heads, head_dim, *_strides3(out, varlen), *_strides3(dout, varlen),
          *lse_strides),
         dict(IS_VARLEN=varlen, BLOCK_M=rows_per_program, BLOCK_D=block_d),
@@ -538,7 +553,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     shared = (scale, softcap, window[0], window[1], seed, threshold, keep_scale)
     flags = dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=dropout_p > 0)
     launch(
-        _bwd_dkdv_kernel, (cdiv(seqlen_k, dkdv_tile["block_n"]), n_batch * n_kv_heads),
+        _bwd_dkdv_kernel, (cdiv(seqlen_k, dkdv_tile["block_n"]) * n_batch * n_kv_heads,),
         (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_kv_heads,
          n_heads // n_kv_heads, head_dim, *shared,
          *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
@@ -546,7 +561,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
         dict(**flags, BLOCK_M=dkdv_tile["block_m"], BLOCK_N=dkdv_tile["block_n"], BLOCK_D=block_d),
         dkdv_tile["num_warps"], dkdv_tile.get("num_stages"))
     launch(
-        _bwd_dq_kernel, (cdiv(seqlen_q, dq_tile["block_m"]), n_batch * n_heads),
+        _bwd_dq_kernel, (cdiv(seqlen_q, dq_tile["block_m"]) * n_batch * n_heads,),
         (q, k, v, dout, lse, delta, dq, sink if sink is not None else lse,
          dsink_rows if dsink_rows is not None else lse, cu_q, cu_k, seqlen_q, seqlen_k, n_heads,
          n_heads // n_kv_heads, head_dim, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
@@ -563,7 +578,7 @@ def dropout_keep_mask(mask, seed, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k
     varlen = cu_seqlens_q is not None
     threshold, _ = _dropout_args(dropout_p)
     launch(
-        _dropout_mask_kernel, (cdiv(seqlen_q, block_m), mask.shape[0] * mask.shape[1]),
+        _dropout_mask_kernel, (cdiv(seqlen_q, block_m) * mask.shape[0] * mask.shape[1],),
         (mask, cu_seqlens_q if varlen else seed, cu_seqlens_k if varlen else seed, seqlen_q, seqlen_k,
          mask.shape[1], seed, threshold, seqlen_q, seqlen_k),
         dict(IS_VARLEN=varlen, BLOCK_M=block_m, BLOCK_N=block_n), 4)

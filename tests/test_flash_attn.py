@@ -410,6 +410,23 @@ def test_realistic_shapes(fk, dim, causal):
     run_and_check(fk, q, k, v, causal=causal)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="65,600 heads of programs are too many for the CPU interpreter")
+def test_more_batch_heads_than_a_grid_axis_holds(fk):
+    """batch * heads above 65535, the cap of CUDA's second and third grid axes (a packed batch of thousands of
+    short sequences): every pass launches one program per (tile, batch, head) on the first axis. Dense and varlen
+    (the same sequences packed) against the references."""
+    torch.manual_seed(13)
+    batch, seq, heads = 8200, 3, 8
+    assert batch * heads > 65535
+    q, k, v = make_qkv(batch, seq, seq, heads, heads, 64, torch.bfloat16)
+    run_and_check(fk, q, k, v, causal=True)
+    cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=DEVICE)
+    packed = [t.reshape(batch * seq, heads, 64) for t in (q, k, v)]
+    out = fk.flash_attn_varlen_func(*packed, cu, cu, seq, seq, causal=True)
+    torch.testing.assert_close(out.view(batch, seq, heads, 64), fk.flash_attn_func(q, k, v, causal=True),
+                               atol=0, rtol=0)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs ~10 GB of GPU memory")
 def test_offsets_beyond_int32(fk):
     """q with more than 2**31 elements: the last sequence's offsets only fit in int64."""
