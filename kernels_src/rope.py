@@ -98,8 +98,10 @@ def _rope_kernel(
     BLOCK_S: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
 ):
-    batch = tl.program_id(1).to(tl.int64)
-    positions = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    # A 1-D grid, sequence blocks varying fastest: CUDA caps the other grid axes at 65535, fewer than a batch may hold.
+    n_blocks = tl.cdiv(seq_len, BLOCK_S)
+    batch = (tl.program_id(0) // n_blocks).to(tl.int64)
+    positions = (tl.program_id(0) % n_blocks).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     pos_mask = positions < seq_len
 
     if HAS_POSITIONS:
@@ -152,7 +154,7 @@ def rope(q, k, q_out, k_out, cos, sin, position_ids, rotary_dim, interleaved, in
     else:
         cos_strides, position_strides = cos.stride(), (0, 0)
     launch(
-        _rope_kernel, (cdiv(seq_len, block_s), batch),
+        _rope_kernel, (cdiv(seq_len, block_s) * batch,),
         (q, k, q_out, k_out, cos, sin, position_ids if has_positions else cos,
          seq_len, n_q_heads, n_k_heads, cos.shape[0] if has_positions else 0,
          *q.stride(), *q_out.stride(), *k.stride(), *k_out.stride(), *cos_strides, *position_strides),

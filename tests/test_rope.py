@@ -518,6 +518,17 @@ def test_compile_fullgraph(fk, inplace):
         torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="70,000 programs are too many for the CPU interpreter")
+def test_batch_beyond_a_grid_axis(fk):
+    """A batch above 65535, the cap of CUDA's second and third grid axes: the launch grid is 1-D."""
+    torch.manual_seed(14)
+    batch, seq = 70000, 3
+    assert batch > 65535
+    q, k = make_qk(batch, seq, 2, 1, 16, torch.float32)
+    cos, sin = angle_tables(batch, seq, 16, False, torch.float32)
+    check_against_references(fk, q, k, cos, sin, 1, False)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU with ~10 GB free (tensors beyond 2**31 elements)")
 def test_huge_tensor_int64_offsets(fk):
     seq, q_heads, head_dim = 2**21 + 5, 8, 128  # q has more than 2**31 elements
