@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from harness import OURS, Case, Env, OpBenchmark, compile_per_shape
 
-# The shapes of issue 6 and h200-baselines.md, then a causal sequence sweep at about 16k tokens per call; the
+# The shapes of issue 6 and h200-baselines.md, one with head dim 256, then a causal sequence sweep at about 16k tokens per call; the
 # sweep passes through the first two causal shapes.
 MAIN_SHAPES = (
     {"b": 4, "hq": 32, "hk": 32, "s": 4096, "d": 128, "causal": 0},
@@ -28,6 +28,7 @@ MAIN_SHAPES = (
     {"b": 8, "hq": 16, "hk": 16, "s": 2048, "d": 64, "causal": 1},
     {"b": 2, "hq": 32, "hk": 8, "s": 8192, "d": 128, "causal": 1},
     {"b": 1, "hq": 32, "hk": 8, "s": 16384, "d": 128, "causal": 1},
+    {"b": 2, "hq": 16, "hk": 8, "s": 8192, "d": 256, "causal": 1},  # Gemma-2-9B's attention shape
 )
 SWEEP_TOKENS = 16384
 SWEEP_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
