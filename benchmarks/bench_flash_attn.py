@@ -20,8 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 from harness import OURS, Case, Env, OpBenchmark, compile_per_shape
 
-# The shapes of issue 6 and h200-baselines.md, one with head dim 256, then a causal sequence sweep at about 16k tokens per call; the
-# sweep passes through the first two causal shapes.
+# The shapes of issue 6 and h200-baselines.md, one with head dim 256, then a causal sequence sweep at about 16k
+# tokens per call; the sweep passes through the first two causal shapes.
 MAIN_SHAPES = (
     {"b": 4, "hq": 32, "hk": 32, "s": 4096, "d": 128, "causal": 0},
     {"b": 4, "hq": 32, "hk": 32, "s": 4096, "d": 128, "causal": 1},

@@ -2,10 +2,13 @@
 the torch-cpu variant and torchrun uses gloo): every mode runs to the end, each provider in its own process, and
 writes the report with the fields the GPU run fills in. The GPU numbers themselves come from the H200 runs."""
 
+import collections
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace as Event
 
 import pytest
 import torch
@@ -72,10 +75,6 @@ def test_profile_attributes_time_to_our_op_families(build_dir, tmp_path):
 def test_profile_names_the_op_that_launched_each_kernel(monkeypatch):
     """The profile's "launched by" column: each GPU kernel under the op that launched it and the outermost op around
     that one (profiler events stood in for by plain objects: a CPU machine launches no GPU kernels)."""
-    import collections
-    import importlib.util
-    from types import SimpleNamespace as Event
-
     monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its sibling modules (harness, ...)
     spec = importlib.util.spec_from_file_location("e2e_step_under_test", SCRIPT)
     e2e_step = importlib.util.module_from_spec(spec)
