@@ -134,20 +134,17 @@ def _run_bounds(run: tl.constexpr, lo, full_lo, full_hi, hi):
 
 
 @triton.jit
-def _tile_of_head(seqlen, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr):
+def _tile_of_head(seqlen, BLOCK: tl.constexpr):
     """(first row, or column, of this program's tile; its batch * n_heads + head index) in a 1-D launch grid of
     cdiv(seqlen, BLOCK) tiles per (batch, head).
 
     The grid is 1-D because CUDA caps its other two axes at 65535, fewer than the (batch, head) pairs of a packed
     batch of thousands of sequences. Tiles vary fastest, so the programs of a head run together and share its K
-    and V in L2. LAST_FIRST hands a head's tiles out from the last one: under causal masking the last query tiles
-    see the most keys, and started first they leave the light tiles for the end of the grid."""
+    and V in L2. (Handing a head's query tiles out last first, heaviest first under causal masking, measured no
+    faster at head dim 128 on the H200 and 25% slower at head dim 64.)"""
     n_tiles = tl.cdiv(seqlen, BLOCK)
     pid = tl.program_id(0)
-    tile = pid % n_tiles
-    if LAST_FIRST:
-        tile = n_tiles - 1 - tile
-    return tile * BLOCK, pid // n_tiles
+    return (pid % n_tiles) * BLOCK, pid // n_tiles
 
 
 @triton.jit
@@ -205,7 +202,7 @@ def _fwd_kernel(
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MAX_ON_QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    row_start, batch_head = _tile_of_head(fixed_seqlen_q, BLOCK_M, True)
+    row_start, batch_head = _tile_of_head(fixed_seqlen_q, BLOCK_M)
     batch = batch_head // n_heads
     head = batch_head % n_heads
     kv_head = head // group_size
@@ -256,7 +253,7 @@ def _bwd_preprocess_kernel(
     IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """delta = rowsum(dO * O), from the stored (rounded) O, as dS = P * (dP - delta) uses it."""
-    row_start, batch_head = _tile_of_head(fixed_seqlen_q, BLOCK_M, False)
+    row_start, batch_head = _tile_of_head(fixed_seqlen_q, BLOCK_M)
     batch = batch_head // n_heads
     head = batch_head % n_heads
     q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
@@ -365,7 +362,7 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # Key tiles first to last: under causal masking the first ones see the most queries.
-    col_start, batch_kv_head = _tile_of_head(fixed_seqlen_k, BLOCK_N, False)
+    col_start, batch_kv_head = _tile_of_head(fixed_seqlen_k, BLOCK_N)
     batch = batch_kv_head // n_kv_heads
     kv_head = batch_kv_head % n_kv_heads
     q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
@@ -417,7 +414,7 @@ def _bwd_dq_kernel(
     """dQ of a query tile over its visible key tiles; with a sink, also each row's term -P_sink * dO.O of
     d(sink), with dO.O taken exactly as the row's sum of P * dP over the keys (fp32) rather than from the stored,
     rounded O."""
-    row_start, batch_head = _tile_of_head(fixed_seqlen_q, BLOCK_M, True)
+    row_start, batch_head = _tile_of_head(fixed_seqlen_q, BLOCK_M)
     batch = batch_head // n_heads
     head = batch_head % n_heads
     kv_head = head // group_size
@@ -463,7 +460,7 @@ def _dropout_mask_kernel(mask_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, fixed_seq
                          seed_ptr, drop_threshold, max_seqlen_q, max_seqlen_k,
                          IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The keep mask as a (batch, heads, max_seqlen_q, max_seqlen_k) bool tensor (for return_attn_probs)."""
-    row_start, batch_head = _tile_of_head(max_seqlen_q, BLOCK_M, False)
+    row_start, batch_head = _tile_of_head(max_seqlen_q, BLOCK_M)
     batch = batch_head // n_heads
     _, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
     _, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
