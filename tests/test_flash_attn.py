@@ -410,11 +410,40 @@ def test_realistic_shapes(fk, dim, causal):
     run_and_check(fk, q, k, v, causal=causal)
 
 
+def test_flat_grid_matches_the_two_axis_grid(fk, monkeypatch):
+    """The one-axis launch grid that more (batch, head) pairs than a grid axis holds switch to, forced here by a
+    limit of 1 pair: bitwise the results of the (tiles, pairs) grid, for every pass (forward, delta, dK/dV, dQ and
+    the dropout mask), dense with GQA and varlen."""
+    torch.manual_seed(16)
+    q, k, v = make_qkv(2, 21, 21, 4, 2, 16, torch.float16)
+    lengths = [9, 0, 12]
+    vq, vk, vv, cu, _ = _varlen_case(lengths, lengths, 4, 2, 16, torch.float16)
+    dout, vdout = torch.randn_like(q), torch.randn_like(vq)
+
+    def run_all():
+        a = leaves(q, k, v)
+        out, lse, keep = fk.flash_attn_func(*a, dropout_p=0.2, causal=True, return_attn_probs=True)
+        out.backward(dout)
+        va = leaves(vq, vk, vv)
+        vout, vlse, _ = fk.flash_attn_varlen_func(*va, cu, cu, max(lengths), max(lengths), causal=True,
+                                                  return_attn_probs=True)
+        vout.backward(vdout)
+        return [out, lse, keep, *[t.grad for t in a], vout, vlse, *[t.grad for t in va]]
+
+    torch.manual_seed(17)
+    two_axis = run_all()
+    monkeypatch.setattr(fk._kernels.flash_attn, "_GRID_AXIS_LIMIT", 1)
+    torch.manual_seed(17)
+    flat = run_all()
+    for index, (expected, got) in enumerate(zip(two_axis, flat)):
+        assert torch.equal(expected, got), f"result {index} differs with the flat grid"
+
+
 @pytest.mark.skipif(not ON_GPU, reason="65,600 heads of programs are too many for the CPU interpreter")
 def test_more_batch_heads_than_a_grid_axis_holds(fk):
     """batch * heads above 65535, the cap of CUDA's second and third grid axes (a packed batch of thousands of
-    short sequences): every pass launches one program per (tile, batch, head) on the first axis. Dense and varlen
-    (the same sequences packed) against the references."""
+    short sequences): every pass then launches one program per (tile, batch, head) on the first axis. Dense and
+    varlen (the same sequences packed) against the references."""
     torch.manual_seed(13)
     batch, seq, heads = 8200, 3, 8
     assert batch * heads > 65535
