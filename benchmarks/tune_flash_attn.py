@@ -31,17 +31,20 @@ DKDV_BLOCK_M = (16, 32, 64, 128)
 BLOCK_N = (32, 64, 128)
 WARPS = (4, 8)
 STAGES = (2, 3)
+# One stage (no prefetch of the next query tile) is tried in the dK/dV pass too: it frees the shared memory and
+# registers that the prefetched Q and dO tiles hold, and at head dim 256 it made the pass 20% faster on the H200.
+DKDV_STAGES = (1, 2, 3)
 
 
-def candidates(block_ms):
-    for block_m, block_n, warps, stages in itertools.product(block_ms, BLOCK_N, WARPS, STAGES):
+def candidates(block_ms, stages):
+    for block_m, block_n, warps, stages in itertools.product(block_ms, BLOCK_N, WARPS, stages):
         yield {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
 
 
-def fastest(label, timed, block_ms=BLOCK_M):
+def fastest(label, timed, block_ms=BLOCK_M, stages=STAGES):
     """The candidate with the lowest time; ``timed(config)`` returns milliseconds or raises if it cannot run."""
     best = None
-    for config in candidates(block_ms):
+    for config in candidates(block_ms, stages):
         try:
             ms = timed(config)
         except Exception as error:  # noqa: BLE001 - out of resources and the like: not a candidate
@@ -96,7 +99,8 @@ def main():
 
         row = None if head_dim == HEAD_DIMS[-1] else head_dim
         current = {key: value for key, value in tuned["backward_dq"][row].items() if key != "max_cols"}
-        dkdv_tile = fastest(f"d={head_dim} backward dK/dV", lambda tile: backward(tile, current), DKDV_BLOCK_M)
+        dkdv_tile = fastest(f"d={head_dim} backward dK/dV", lambda tile: backward(tile, current), DKDV_BLOCK_M,
+                            DKDV_STAGES)
         dq_tile = fastest(f"d={head_dim} backward dQ", lambda tile: backward(dkdv_tile, tile))
         for kernel, tile in (("forward", forward_tile), ("backward_dkdv", dkdv_tile), ("backward_dq", dq_tile)):
             tuned[kernel][row] = {"max_cols": row, **tile}
