@@ -132,10 +132,12 @@ def recorded_launches(flash_attn, head_dim, group, tiles):
     return launches
 
 
-def shipped_tile(table, kernel, device, head_dim):
+def shipped_tile(table, kernel, device, head_dim, group):
+    """The table's tile, chosen as the package chooses it (``_launch_config.pick``)."""
     entries = table[kernel].get(device) or table[kernel]["default"]
-    entry = next(e for e in entries if e["max_cols"] is None or head_dim <= e["max_cols"])
-    return {key: value for key, value in entry.items() if key != "max_cols"}
+    entry = next(e for e in entries if (e["max_cols"] is None or head_dim <= e["max_cols"])
+                 and group >= e.get("min_group", 1))
+    return {key: value for key, value in entry.items() if key not in ("max_cols", "min_group")}
 
 
 def parse_tile(text):
@@ -167,9 +169,9 @@ def main():
           "(bytes) |")
     print("|---|---|---|---|---|---|")
     for head_dim in args.head_dims:
-        tiles = {kernel: shipped_tile(table, kernel, args.device, head_dim) for kernel in KERNELS.values()}
-        tiles.update(dict(args.tile))
         for group in args.groups:
+            tiles = {kernel: shipped_tile(table, kernel, args.device, head_dim, group) for kernel in KERNELS.values()}
+            tiles.update(dict(args.tile))
             for name, (kernel, launch_args, constexprs, warps, stages) in recorded_launches(flash_attn, head_dim, group,
                                                                                              tiles).items():
                 if name not in wanted or (group != args.groups[0] and name != "_bwd_dkdv_kernel"):

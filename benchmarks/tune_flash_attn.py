@@ -69,8 +69,10 @@ def main():
     attn = fk._kernels.flash_attn
     table = read_table(args.write, "flash_attn")
     device_name = torch.cuda.get_device_name()
-    # Start from the device's rows (or the defaults) so that head dims not tuned now keep theirs.
-    tuned = {kernel: {entry["max_cols"]: entry for entry in table[kernel].get(device_name, table[kernel]["default"])}
+    # Start from the device's rows (or the defaults) so that head dims not tuned now keep theirs. Rows with a
+    # min_group (GQA-only tiles) are kept as they are: the shapes tuned here are MHA.
+    tuned = {kernel: {(entry["max_cols"], entry.get("min_group", 1)): entry
+                      for entry in table[kernel].get(device_name, table[kernel]["default"])}
              for kernel in ("forward", "backward_dkdv", "backward_dq")}
     for head_dim in args.head_dims:
         batch, seq, heads = 4, 4096, 2048 // head_dim
@@ -98,14 +100,16 @@ def main():
             return do_bench(run, warmup=10, rep=50)
 
         row = None if head_dim == HEAD_DIMS[-1] else head_dim
-        current = {key: value for key, value in tuned["backward_dq"][row].items() if key != "max_cols"}
+        current = {key: value for key, value in tuned["backward_dq"][(row, 1)].items() if key != "max_cols"}
         dkdv_tile = fastest(f"d={head_dim} backward dK/dV", lambda tile: backward(tile, current), DKDV_BLOCK_M,
                             DKDV_STAGES)
         dq_tile = fastest(f"d={head_dim} backward dQ", lambda tile: backward(dkdv_tile, tile))
         for kernel, tile in (("forward", forward_tile), ("backward_dkdv", dkdv_tile), ("backward_dq", dq_tile)):
-            tuned[kernel][row] = {"max_cols": row, **tile}
+            tuned[kernel][(row, 1)] = {"max_cols": row, **tile}
+    # Within a head-dim row, GQA-only entries first: the package takes the first entry that fits.
     write_device_entries(args.write, device_name, {
-        kernel: sorted(rows.values(), key=lambda e: e["max_cols"] or float("inf")) for kernel, rows in tuned.items()})
+        kernel: sorted(rows.values(), key=lambda e: (e["max_cols"] or float("inf"), -e.get("min_group", 1)))
+        for kernel, rows in tuned.items()})
 
 
 if __name__ == "__main__":

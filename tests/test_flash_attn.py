@@ -439,6 +439,29 @@ def test_flat_grid_matches_the_two_axis_grid(fk, monkeypatch):
         assert torch.equal(expected, got), f"result {index} differs with the flat grid"
 
 
+def test_launch_table_picks_gqa_only_tiles_by_group(fk, monkeypatch):
+    """A dK/dV entry with ``min_group`` serves GQA calls only, and every such entry has a plain entry after it for
+    the same head dims (MHA). On the H200 the head-dim-256 pass runs one pipelining stage with GQA (8.0 against 10.0
+    ms at B2 Hq16 Hk8 S8192) and two without (2.7 against 3.3 ms at B4 H8 S4096)."""
+    config = fk._launch_config
+    for devices in config._table("flash_attn").values():
+        for entries in devices.values():
+            for index, entry in enumerate(entries):
+                if "min_group" in entry:
+                    assert any(e["max_cols"] == entry["max_cols"] and "min_group" not in e for e in entries[index:])
+    monkeypatch.setattr(config, "_device_name", lambda device_type, index: "NVIDIA H200")
+    config._pick.cache_clear()
+    try:
+        stages = {group: config.pick("flash_attn", "backward_dkdv", torch.device("cpu"), 256, group)["num_stages"]
+                  for group in (1, 2, 4)}
+        assert stages == {1: 2, 2: 1, 4: 1}
+        tile_128 = config.pick("flash_attn", "backward_dkdv", torch.device("cpu"), 128, 2)
+        assert "min_group" not in tile_128 and tile_128 == config.pick("flash_attn", "backward_dkdv",
+                                                                      torch.device("cpu"), 128, 1)
+    finally:
+        config._pick.cache_clear()
+
+
 @pytest.mark.skipif(not ON_GPU, reason="65,600 heads of programs are too many for the CPU interpreter")
 def test_more_batch_heads_than_a_grid_axis_holds(fk):
     """batch * heads above 65535, the cap of CUDA's second and third grid axes (a packed batch of thousands of
