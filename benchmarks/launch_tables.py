@@ -1,10 +1,23 @@
 """Reading and writing tuned launch tables (``torch-ext/fused_kernels/configs/<family>.json``), shared by the tune
 scripts."""
 
+import functools
+import importlib.util
 import json
 from pathlib import Path
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "torch-ext" / "fused_kernels" / "configs"
+
+
+@functools.cache
+def package_launch_config():
+    """The package's own table lookup (``torch-ext/fused_kernels/_launch_config.py``), loaded by path: tools choose
+    table entries exactly as the package does."""
+    path = CONFIGS_DIR.parent / "_launch_config.py"
+    spec = importlib.util.spec_from_file_location("fused_kernels_launch_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def read_table(path: Path | None, family: str) -> dict:

@@ -41,7 +41,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels_src  # noqa: E402  (the package, importable from the repository root)
 
-from launch_tables import read_table  # noqa: E402
+from launch_tables import package_launch_config, read_table  # noqa: E402
 
 KERNELS = {"forward": "forward", "dkdv": "backward_dkdv", "dq": "backward_dq"}
 _POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
@@ -133,11 +133,9 @@ def recorded_launches(flash_attn, head_dim, group, tiles):
 
 
 def shipped_tile(table, kernel, device, head_dim, group):
-    """The table's tile, chosen as the package chooses it (``_launch_config.pick``)."""
+    """The table's tile for ``device``, chosen by the package's own ``select_entry``."""
     entries = table[kernel].get(device) or table[kernel]["default"]
-    entry = next(e for e in entries if (e["max_cols"] is None or head_dim <= e["max_cols"])
-                 and group >= e.get("min_group", 1))
-    return {key: value for key, value in entry.items() if key not in ("max_cols", "min_group")}
+    return package_launch_config().select_entry(entries, head_dim, group)
 
 
 def parse_tile(text):

@@ -57,13 +57,19 @@ def pick(family: str, kernel: str, device: torch.device, n_cols: int, group: int
     return _pick(family, kernel, device.type, _index(device), n_cols, group)
 
 
+def select_entry(entries: list[dict], n_cols: int, group: int = 1) -> dict:
+    """The launch parameters of the first of one device's ``entries`` that serves rows of ``n_cols`` elements and
+    ``group`` query heads per kv head (a new dict, without the selection keys). ``benchmarks/register_report.py``
+    picks tiles through this too."""
+    entry = next((e for e in entries if (e["max_cols"] is None or n_cols <= e["max_cols"])
+                  and group >= e.get("min_group", 1)), entries[-1])
+    return {k: v for k, v in entry.items() if k not in ("max_cols", "min_group")}
+
+
 @functools.lru_cache(maxsize=4096)
 def _pick(family: str, kernel: str, device_type: str, index: int, n_cols: int, group: int) -> dict:
     per_device = _table(family)[kernel]
-    entries = per_device.get(_device_name(device_type, index)) or per_device["default"]
-    entry = next((e for e in entries if (e["max_cols"] is None or n_cols <= e["max_cols"])
-                  and group >= e.get("min_group", 1)), entries[-1])
-    config = {k: v for k, v in entry.items() if k not in ("max_cols", "min_group")}
+    config = select_entry(per_device.get(_device_name(device_type, index)) or per_device["default"], n_cols, group)
     config.setdefault("block_cols", 1 << max(0, (n_cols - 1).bit_length()))
     return config
 
