@@ -363,7 +363,6 @@ def _bwd_dkdv_kernel(
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT_GRID: tl.constexpr,
 ):
-    # Key tiles first to last: under causal masking the first ones see the most queries.
     col_start, batch_kv_head = _tile_of_head(fixed_seqlen_k, BLOCK_N, FLAT_GRID)
     batch = batch_kv_head // n_kv_heads
     kv_head = batch_kv_head % n_kv_heads
