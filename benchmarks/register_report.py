@@ -132,18 +132,21 @@ def recorded_launches(flash_attn, head_dim, group, tiles):
     return launches
 
 
-def shipped_tile(table, kernel, device, head_dim, group):
+def shipped_tile(table, kernel, device, head_dim):
     """The table's tile for ``device``, chosen by the package's own ``select_entry``."""
     entries = table[kernel].get(device) or table[kernel]["default"]
-    return package_launch_config().select_entry(entries, head_dim, group)
+    return package_launch_config().select_entry(entries, head_dim)
 
 
 def parse_tile(text):
     kernel, values = text.split("=")
-    block_m, block_n, warps, stages = (int(x) for x in values.split(","))
-    if kernel not in KERNELS:
-        raise argparse.ArgumentTypeError(f"--tile: kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
-    return KERNELS[kernel], {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+    fields = [int(x) for x in values.split(",")]
+    if kernel not in KERNELS or len(fields) not in (4, 5):
+        raise argparse.ArgumentTypeError(f"--tile: expected KERNEL=block_m,block_n,num_warps,num_stages[,one_loop] "
+                                         f"with KERNEL one of {sorted(KERNELS)}, got {text!r}")
+    block_m, block_n, warps, stages, one_loop = fields + [0] * (5 - len(fields))
+    return KERNELS[kernel], {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
+                             "one_loop": bool(one_loop)}
 
 
 def main():
@@ -152,8 +155,8 @@ def main():
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--device", default="NVIDIA H200", help="the launch table's device whose tiles are compiled")
     parser.add_argument("--tile", type=parse_tile, action="append", default=[],
-                        help="override one kernel's tile: KERNEL=block_m,block_n,num_warps,num_stages "
-                             "(KERNEL: forward, dkdv or dq)")
+                        help="override one kernel's tile: KERNEL=block_m,block_n,num_warps,num_stages[,one_loop] "
+                             "(KERNEL: forward, dkdv or dq; one_loop 1: the tile loop as one loop, default 0)")
     parser.add_argument("--kernels", nargs="+", choices=sorted(KERNELS), default=sorted(KERNELS))
     parser.add_argument("--source", type=Path,
                         help="a modified copy of kernels_src/flash_attn.py to compile instead (to screen a change)")
@@ -163,12 +166,12 @@ def main():
     table = read_table(None, "flash_attn")
     flash_attn = load_kernels(args.source)
     wanted = {f"_{'fwd' if k == 'forward' else 'bwd_' + k}_kernel" for k in args.kernels}
-    print("| head dim | group | kernel | tile (block_m x block_n, warps, stages) | registers | spill stores / loads "
-          "(bytes) |")
+    print("| head dim | group | kernel | tile (block_m x block_n, warps, stages, loops) | registers "
+          "| spill stores / loads (bytes) |")
     print("|---|---|---|---|---|---|")
     for head_dim in args.head_dims:
         for group in args.groups:
-            tiles = {kernel: shipped_tile(table, kernel, args.device, head_dim, group) for kernel in KERNELS.values()}
+            tiles = {kernel: shipped_tile(table, kernel, args.device, head_dim) for kernel in KERNELS.values()}
             tiles.update(dict(args.tile))
             for name, (kernel, launch_args, constexprs, warps, stages) in recorded_launches(flash_attn, head_dim, group,
                                                                                              tiles).items():
@@ -176,7 +179,9 @@ def main():
                     continue  # only dK/dV loops over the group; elsewhere the group size is one index division
                 registers, stores, loads = registers_and_spills(kernel, launch_args, constexprs, warps, stages,
                                                                 args.arch)
-                tile = f"{constexprs['BLOCK_M']}x{constexprs['BLOCK_N']}, {warps}, {stages if stages else 'default'}"
+                loops = "one loop" if constexprs.get("ONE_LOOP") else "three loops"
+                tile = (f"{constexprs['BLOCK_M']}x{constexprs['BLOCK_N']}, {warps}, {stages if stages else 'default'}, "
+                        f"{loops}")
                 print(f"| {head_dim} | {group} | {name.strip('_')} | {tile} | {registers} | {stores} / {loads} |",
                       flush=True)
 

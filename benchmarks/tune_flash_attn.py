@@ -34,11 +34,15 @@ STAGES = (2, 3)
 # One stage (no prefetch of the next query tile) is tried in the dK/dV pass too: it frees the shared memory and
 # registers that the prefetched Q and dO tiles hold, and at head dim 256 it made the pass 20% faster on the H200.
 DKDV_STAGES = (1, 2, 3)
+# Each pass's tile loop as three specialised loops or as one (``one_loop``; see kernels_src/flash_attn.py): which
+# is faster depends on the pass and head dim (on the H200 one loop won in dK/dV at head dims 128 and 256 and in the
+# forward at 256, and lost in dQ and at head dim 64).
+ONE_LOOP = (False, True)
 
 
 def candidates(block_ms, stages):
-    for block_m, block_n, warps, stages in itertools.product(block_ms, BLOCK_N, WARPS, stages):
-        yield {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+    for block_m, block_n, warps, stages, one_loop in itertools.product(block_ms, BLOCK_N, WARPS, stages, ONE_LOOP):
+        yield {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages, "one_loop": one_loop}
 
 
 def fastest(label, timed, block_ms=BLOCK_M, stages=STAGES):
@@ -69,10 +73,8 @@ def main():
     attn = fk._kernels.flash_attn
     table = read_table(args.write, "flash_attn")
     device_name = torch.cuda.get_device_name()
-    # Start from the device's rows (or the defaults) so that head dims not tuned now keep theirs. Rows with a
-    # min_group (GQA-only tiles) are kept as they are: the shapes tuned here are MHA.
-    tuned = {kernel: {(entry["max_cols"], entry.get("min_group", 1)): entry
-                      for entry in table[kernel].get(device_name, table[kernel]["default"])}
+    # Start from the device's rows (or the defaults) so that head dims not tuned now keep theirs.
+    tuned = {kernel: {entry["max_cols"]: entry for entry in table[kernel].get(device_name, table[kernel]["default"])}
              for kernel in ("forward", "backward_dkdv", "backward_dq")}
     for head_dim in args.head_dims:
         batch, seq, heads = 4, 4096, 2048 // head_dim
@@ -100,16 +102,14 @@ def main():
             return do_bench(run, warmup=10, rep=50)
 
         row = None if head_dim == HEAD_DIMS[-1] else head_dim
-        current = {key: value for key, value in tuned["backward_dq"][(row, 1)].items() if key != "max_cols"}
+        current = {key: value for key, value in tuned["backward_dq"][row].items() if key != "max_cols"}
         dkdv_tile = fastest(f"d={head_dim} backward dK/dV", lambda tile: backward(tile, current), DKDV_BLOCK_M,
                             DKDV_STAGES)
         dq_tile = fastest(f"d={head_dim} backward dQ", lambda tile: backward(dkdv_tile, tile))
         for kernel, tile in (("forward", forward_tile), ("backward_dkdv", dkdv_tile), ("backward_dq", dq_tile)):
-            tuned[kernel][(row, 1)] = {"max_cols": row, **tile}
-    # Within a head-dim row, GQA-only entries first: the package takes the first entry that fits.
+            tuned[kernel][row] = {"max_cols": row, **tile}
     write_device_entries(args.write, device_name, {
-        kernel: sorted(rows.values(), key=lambda e: (e["max_cols"] or float("inf"), -e.get("min_group", 1)))
-        for kernel, rows in tuned.items()})
+        kernel: sorted(rows.values(), key=lambda e: e["max_cols"] or float("inf")) for kernel, rows in tuned.items()})
 
 
 if __name__ == "__main__":

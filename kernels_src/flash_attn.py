@@ -10,7 +10,7 @@ Masking. Query row i of a sequence sees key j iff ``i + d - left <= j <= i + d +
 ``right = 0`` and an unlimited side into a large bound. A row that sees no key outputs 0 and gets
 ``lse = +inf`` (so the backward's ``exp(s - lse)`` is 0 there, never NaN). Only tiles that straddle a
 boundary (the causal diagonal, a window edge, a sequence end) evaluate the mask: ``_partner_tiles`` splits every
-tile loop into masked edges and an unmasked middle.
+tile loop into masked edges and an unmasked middle, run as three loops or one (``_fwd_kernel``).
 
 Scores. ``s = scale * q.k``, then ``softcap * tanh(s / softcap)`` when soft-capping. Softmax runs in base 2
 (``exp2``; scores are multiplied by log2(e) once) with the online rescaling of FlashAttention-2. An attention
@@ -121,11 +121,14 @@ def _partner_tiles(start, BLOCK: tl.constexpr, length, partner_length, offset_lo
 
 
 @triton.jit
-def _run_bounds(run: tl.constexpr, lo, full_lo, full_hi, hi):
-    """[start, end) of one of the three runs of partner tiles from ``_partner_tiles``: 0 the masked tiles before the
-    whole ones, 1 the whole (unmasked) tiles, 2 the masked tiles after them. Each kernel loops over the runs with a
-    compile-time index, so that each run is its own loop with its own MASKED specialisation."""
-    if run == 0:
+def _run_bounds(run: tl.constexpr, ONE_LOOP: tl.constexpr, lo, full_lo, full_hi, hi):
+    """[start, end) of one run of partner tiles from ``_partner_tiles``. Three runs: 0 the masked tiles before the
+    whole ones, 1 the whole (unmasked) tiles, 2 the masked tiles after them; each kernel loops over the runs with a
+    compile-time index, so that each run is its own loop with its own MASKED specialisation. ONE_LOOP: a single run
+    over all of them, each tile testing at run time whether it is an edge tile (see ``_fwd_kernel``)."""
+    if ONE_LOOP:
+        return lo, hi
+    elif run == 0:
         return lo, full_lo
     elif run == 1:
         return full_lo, full_hi
@@ -151,10 +154,11 @@ def _tile_of_head(seqlen, BLOCK: tl.constexpr, FLAT_GRID: tl.constexpr):
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head, k_start,
               seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr, drop_threshold,
-              keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+              keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, edge,
               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, MAX_ON_QK: tl.constexpr, MASKED: tl.constexpr,
               BLOCK_N: tl.constexpr):
-    """One key tile of the forward's online softmax; MASKED tiles check bounds, causality and the window.
+    """One key tile of the forward's online softmax. MASKED tiles check bounds and, where ``edge`` holds (a runtime
+    test in the one-loop form, the constant True otherwise), causality and the window.
     MAX_ON_QK: no soft cap and a positive scale, so max(scale * qk) = scale * max(qk)."""
     cols = col_start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -174,8 +178,9 @@ def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batc
         s = _scores_log2(qk, scale, softcap, HAS_SOFTCAP)
         s_scale = 1.0
     if MASKED:
-        s = tl.where(_visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right), s,
-                     float("-inf"))
+        if edge:
+            s = tl.where(_visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right), s,
+                         float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * s_scale)
     m_ref = m_new
     if MASKED:
@@ -202,8 +207,15 @@ def _fwd_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MAX_ON_QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    FLAT_GRID: tl.constexpr,
+    FLAT_GRID: tl.constexpr, ONE_LOOP: tl.constexpr,
 ):
+    """Output rows and lse of a query tile over its visible key tiles.
+
+    The key tiles run as three loops (masked edge, unmasked middle, masked edge: ``_run_bounds``), so the middle
+    tiles' code carries no mask at all, or with ONE_LOOP as one loop whose tiles test at run time whether they are
+    edge tiles. One loop compiles the tile body once and needs fewer registers (offline, sm_90a: the head-dim-128
+    dK/dV pass spills 0 bytes instead of 160); which form is faster depends on the pass and head dim, so the launch
+    table chooses (``one_loop``)."""
     row_start, batch_head = _tile_of_head(fixed_seqlen_q, BLOCK_M, FLAT_GRID)
     batch = batch_head // n_heads
     head = batch_head % n_heads
@@ -230,14 +242,15 @@ def _fwd_kernel(
     shift = seqlen_k - seqlen_q
     lo, full_lo, full_hi, hi = _partner_tiles(row_start, BLOCK_M, seqlen_q, seqlen_k, shift - window_left,
                                               shift + window_right, BLOCK_N)
-    for run in tl.static_range(3):  # masked, unmasked, masked key tiles
-        start, end = _run_bounds(run, lo, full_lo, full_hi, hi)
+    for run in tl.static_range(1 if ONE_LOOP else 3):
+        start, end = _run_bounds(run, ONE_LOOP, lo, full_lo, full_hi, hi)
         for col_start in range(start, end, BLOCK_N):
+            edge = (col_start < full_lo) | (col_start >= full_hi) if ONE_LOOP else True
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head,
                                       kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
                                       window_right, seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks,
-                                      stride_kh, stride_vb, stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, MAX_ON_QK,
-                                      run != 1, BLOCK_N)
+                                      stride_kh, stride_vb, stride_vs, stride_vh, edge, HAS_SOFTCAP, HAS_DROPOUT,
+                                      MAX_ON_QK, run != 1, BLOCK_N)
 
     has_mass = l_i > 0.0
     out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
@@ -275,13 +288,15 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left, window_right,
-                   HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
-    """P of a (rows, cols) tile recomputed from the lse (0 where MASKED tiles mask), and the scores in log2
+                   edge, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """P of a (rows, cols) tile recomputed from the lse (0 where MASKED edge tiles mask), and the scores in log2
     units. Rows past the sequence have lse = +inf, so their P is 0 in every tile."""
     s = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
     p = tl.exp2(s - lse_log2[:, None])
     if MASKED:
-        p = tl.where(_visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right), p, 0.0)
+        if edge:
+            p = tl.where(_visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right), p,
+                         0.0)
     return p, s
 
 
@@ -289,7 +304,8 @@ def _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softca
 def _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, head, n_heads, q_start,
                seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr, drop_threshold,
                keep_scale, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
+               edge, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr,
+               BLOCK_M: tl.constexpr):
     """One query tile's contribution to dK and dV of the key tile (k, v).
 
     Computed transposed, as (keys, queries) tiles: P^T = exp(K Q^T - lse) and dS^T are then the left operands
@@ -310,8 +326,9 @@ def _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delt
     s_t = _scores_log2(tl.dot(k, q_t), scale, softcap, HAS_SOFTCAP)
     p_t = tl.exp2(s_t - lse_log2[None, :])
     if MASKED:
-        p_t = tl.where(_visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right), p_t,
-                       0.0)
+        if edge:
+            p_t = tl.where(_visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right),
+                           p_t, 0.0)
     dp_t = tl.dot(v, do_t)
     p_used = p_t
     if HAS_DROPOUT:
@@ -327,7 +344,7 @@ def _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delt
 @triton.jit
 def _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head, kv_head,
              k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr,
-             drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+             drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, edge,
              HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr, MASKED: tl.constexpr,
              BLOCK_N: tl.constexpr):
     """One key tile's contribution to dQ of the query tile and, with a sink, to each row's sum of P * dP."""
@@ -341,7 +358,7 @@ def _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_p
     v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
                 mask=col_mask, other=0.0)
     p, s = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
-                          window_right, HAS_SOFTCAP, MASKED)
+                          window_right, edge, HAS_SOFTCAP, MASKED)
     dp = tl.dot(do, tl.trans(v))
     if HAS_DROPOUT:
         dp = tl.where(_dropout_keep(seed_ptr, batch_head, rows[:, None], cols[None, :], drop_threshold),
@@ -362,6 +379,7 @@ def _bwd_dkdv_kernel(
     stride_lb, stride_lh,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT_GRID: tl.constexpr,
+    ONE_LOOP: tl.constexpr,
 ):
     col_start, batch_kv_head = _tile_of_head(fixed_seqlen_k, BLOCK_N, FLAT_GRID)
     batch = batch_kv_head // n_kv_heads
@@ -387,14 +405,15 @@ def _bwd_dkdv_kernel(
                                               -shift + window_left, BLOCK_M)
     for member in range(0, group_size):
         head = kv_head * group_size + member
-        for run in tl.static_range(3):  # masked, unmasked, masked query tiles
-            start, end = _run_bounds(run, lo, full_lo, full_hi, hi)
+        for run in tl.static_range(1 if ONE_LOOP else 3):  # see _fwd_kernel
+            start, end = _run_bounds(run, ONE_LOOP, lo, full_lo, full_hi, hi)
             for row_start in range(start, end, BLOCK_M):
+                edge = (row_start < full_lo) | (row_start >= full_hi) if ONE_LOOP else True
                 dk, dv = _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delta_ptr, batch,
                                     head, n_heads, q_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
                                     window_right, seed_ptr, drop_threshold, keep_scale, stride_qb, stride_qs,
-                                    stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, HAS_SOFTCAP,
-                                    HAS_DROPOUT, run != 1, BLOCK_M)
+                                    stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, edge,
+                                    HAS_SOFTCAP, HAS_DROPOUT, run != 1, BLOCK_M)
 
     tl.store(_tile_ptrs(dk_ptr, batch, kv_head, stride_dkb, stride_dks, stride_dkh, k_start, cols, dims),
              (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_mask)
@@ -411,6 +430,7 @@ def _bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT_GRID: tl.constexpr,
+    ONE_LOOP: tl.constexpr,
 ):
     """dQ of a query tile over its visible key tiles; with a sink, also each row's term -P_sink * dO.O of
     d(sink), with dO.O taken exactly as the row's sum of P * dP over the keys (fp32) rather than from the stored,
@@ -440,13 +460,14 @@ def _bwd_dq_kernel(
     shift = seqlen_k - seqlen_q
     lo, full_lo, full_hi, hi = _partner_tiles(row_start, BLOCK_M, seqlen_q, seqlen_k, shift - window_left,
                                               shift + window_right, BLOCK_N)
-    for run in tl.static_range(3):  # masked, unmasked, masked key tiles
-        start, end = _run_bounds(run, lo, full_lo, full_hi, hi)
+    for run in tl.static_range(1 if ONE_LOOP else 3):  # see _fwd_kernel
+        start, end = _run_bounds(run, ONE_LOOP, lo, full_lo, full_hi, hi)
         for col_start in range(start, end, BLOCK_N):
+            edge = (col_start < full_lo) | (col_start >= full_hi) if ONE_LOOP else True
             dq, p_dp = _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch,
                                 batch_head, kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap,
                                 window_left, window_right, seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks,
-                                stride_kh, stride_vb, stride_vs, stride_vh, HAS_SOFTCAP, HAS_DROPOUT, HAS_SINK,
+                                stride_kh, stride_vb, stride_vs, stride_vh, edge, HAS_SOFTCAP, HAS_DROPOUT, HAS_SINK,
                                 run != 1, BLOCK_N)
 
     tl.store(_tile_ptrs(dq_ptr, batch, head, stride_dqb, stride_dqs, stride_dqh, q_start, rows, dims),
@@ -520,7 +541,8 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
     q/k/v/out are 4-D ``(batch, seq, heads, head_dim)``; varlen tensors are ``(1, total, heads, head_dim)`` with
     ``cu_seqlens_*`` given and ``seqlen_*`` the maximum lengths. ``window`` is ``(left, right)`` normalised by
     the caller (no -1; causal folded into right). ``seed`` is a 1-element int64 tensor (used with dropout).
-    ``tile`` is the launch configuration: ``block_m``, ``block_n``, ``num_warps`` and optionally ``num_stages``.
+    ``tile`` is the launch configuration: ``block_m``, ``block_n``, ``num_warps`` and optionally ``num_stages`` and
+    ``one_loop`` (see ``_fwd_kernel``).
     """
     varlen = cu_seqlens_q is not None
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
@@ -536,7 +558,7 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
          *_lse_strides(lse, varlen)),
         dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_SINK=sink is not None, HAS_DROPOUT=dropout_p > 0,
              MAX_ON_QK=softcap <= 0 and scale > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim),
-             FLAT_GRID=flat),
+             FLAT_GRID=flat, ONE_LOOP=tile.get("one_loop", False)),
         tile["num_warps"], tile.get("num_stages"))
 
 
@@ -572,7 +594,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
          n_heads // n_kv_heads, head_dim, *shared,
          *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
          *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides),
-        dict(**flags, BLOCK_M=dkdv_tile["block_m"], BLOCK_N=dkdv_tile["block_n"], BLOCK_D=block_d, FLAT_GRID=flat),
+        dict(**flags, BLOCK_M=dkdv_tile["block_m"], BLOCK_N=dkdv_tile["block_n"], BLOCK_D=block_d, FLAT_GRID=flat,
+             ONE_LOOP=dkdv_tile.get("one_loop", False)),
         dkdv_tile["num_warps"], dkdv_tile.get("num_stages"))
     grid, flat = _tile_grid(cdiv(seqlen_q, dq_tile["block_m"]), n_batch * n_heads)
     launch(
@@ -582,7 +605,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
          n_heads // n_kv_heads, head_dim, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
          *_strides3(v, varlen), *_strides3(dout, varlen), *_strides3(dq, varlen), *lse_strides),
         dict(**flags, HAS_SINK=sink is not None, BLOCK_M=dq_tile["block_m"], BLOCK_N=dq_tile["block_n"],
-             BLOCK_D=block_d, FLAT_GRID=flat),
+             BLOCK_D=block_d, FLAT_GRID=flat, ONE_LOOP=dq_tile.get("one_loop", False)),
         dq_tile["num_warps"], dq_tile.get("num_stages"))
 
 

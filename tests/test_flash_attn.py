@@ -441,27 +441,17 @@ def test_flat_grid_matches_the_two_axis_grid(fk, monkeypatch):
         assert torch.equal(expected, got), f"result {index} differs with the flat grid"
 
 
-def test_launch_table_picks_gqa_only_tiles_by_group(fk, monkeypatch):
-    """A dK/dV entry with ``min_group`` serves GQA calls only, and every such entry has a plain entry after it for
-    the same head dims (MHA). On the H200 the head-dim-256 pass runs one pipelining stage with GQA (8.0 against 10.0
-    ms at B2 Hq16 Hk8 S8192) and two without (2.7 against 3.3 ms at B4 H8 S4096)."""
-    config = fk._launch_config
-    for devices in config._table("flash_attn").values():
-        for entries in devices.values():
-            for index, entry in enumerate(entries):
-                if "min_group" in entry:
-                    assert any(e["max_cols"] == entry["max_cols"] and "min_group" not in e for e in entries[index:])
-    monkeypatch.setattr(config, "_device_name", lambda device_type, index: "NVIDIA H200")
-    config._pick.cache_clear()
-    try:
-        stages = {group: config.pick("flash_attn", "backward_dkdv", torch.device("cpu"), 256, group)["num_stages"]
-                  for group in (1, 2, 4)}
-        assert stages == {1: 2, 2: 1, 4: 1}
-        tile_128 = config.pick("flash_attn", "backward_dkdv", torch.device("cpu"), 128, 2)
-        assert "min_group" not in tile_128 and tile_128 == config.pick("flash_attn", "backward_dkdv",
-                                                                      torch.device("cpu"), 128, 1)
-    finally:
-        config._pick.cache_clear()
+@pytest.mark.parametrize("one_loop", [False, True], ids=["three-loops", "one-loop"])
+def test_both_tile_loop_forms_match_reference(fk, poisoned_empty, monkeypatch, one_loop):
+    """Every pass in each form of its tile loop, whatever the launch table picks (``one_loop``: the masked edge
+    tiles and the unmasked middle as three loops, or as one loop that tests each tile): a causal sliding window
+    with soft-capping over enough tiles for edges on both sides of an unmasked middle, with GQA."""
+    table_pick = fk._flash_attn.pick
+    monkeypatch.setattr(fk._flash_attn, "pick", lambda *a, **kw: {**table_pick(*a, **kw), "one_loop": one_loop})
+    torch.manual_seed(18)
+    seq, left = (700, 300) if ON_GPU else (70, 40)
+    q, k, v = make_qkv(2, seq, seq, 4, 2, 32, torch.float16)
+    run_and_check(fk, q, k, v, causal=True, window=(left, 0), softcap=5.0)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="65,600 heads of programs are too many for the CPU interpreter")

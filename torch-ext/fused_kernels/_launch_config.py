@@ -6,9 +6,7 @@ regenerates the tables on a GPU.
 
 Table format: ``{kernel: {device name | "default" | "cpu": [entry, ...]}}``. Entries are sorted by
 ``max_cols``; the first entry whose ``max_cols`` is at least the row length is used, and the last entry
-(``max_cols`` null) covers every longer row. An entry with ``min_group`` serves only calls with at least that many
-query heads per kv head (flash attention's dK/dV pass, whose best pipelining depth differs between MHA and GQA);
-the entries after it serve the others. An entry without ``block_cols`` processes a whole row per block
+(``max_cols`` null) covers every longer row. An entry without ``block_cols`` processes a whole row per block
 (``block_cols = next_power_of_2(n_cols)``).
 """
 
@@ -49,27 +47,24 @@ def _index(device: torch.device) -> int:
     return device.index or 0
 
 
-def pick(family: str, kernel: str, device: torch.device, n_cols: int, group: int = 1) -> dict:
-    """The launch parameters for ``kernel`` of ``family`` on ``device`` for rows of ``n_cols`` elements (and, for
-    attention, ``group`` query heads per kv head).
+def pick(family: str, kernel: str, device: torch.device, n_cols: int) -> dict:
+    """The launch parameters for ``kernel`` of ``family`` on ``device`` for rows of ``n_cols`` elements.
 
     The returned dict is shared between calls: read it, never modify it."""
-    return _pick(family, kernel, device.type, _index(device), n_cols, group)
+    return _pick(family, kernel, device.type, _index(device), n_cols)
 
 
-def select_entry(entries: list[dict], n_cols: int, group: int = 1) -> dict:
-    """The launch parameters of the first of one device's ``entries`` that serves rows of ``n_cols`` elements and
-    ``group`` query heads per kv head (a new dict, without the selection keys). ``benchmarks/register_report.py``
-    picks tiles through this too."""
-    entry = next((e for e in entries if (e["max_cols"] is None or n_cols <= e["max_cols"])
-                  and group >= e.get("min_group", 1)), entries[-1])
-    return {k: v for k, v in entry.items() if k not in ("max_cols", "min_group")}
+def select_entry(entries: list[dict], n_cols: int) -> dict:
+    """The launch parameters of the first of one device's ``entries`` that serves rows of ``n_cols`` elements (a new
+    dict, without ``max_cols``). ``benchmarks/register_report.py`` picks tiles through this too."""
+    entry = next((e for e in entries if e["max_cols"] is None or n_cols <= e["max_cols"]), entries[-1])
+    return {k: v for k, v in entry.items() if k != "max_cols"}
 
 
 @functools.lru_cache(maxsize=4096)
-def _pick(family: str, kernel: str, device_type: str, index: int, n_cols: int, group: int) -> dict:
+def _pick(family: str, kernel: str, device_type: str, index: int, n_cols: int) -> dict:
     per_device = _table(family)[kernel]
-    config = select_entry(per_device.get(_device_name(device_type, index)) or per_device["default"], n_cols, group)
+    config = select_entry(per_device.get(_device_name(device_type, index)) or per_device["default"], n_cols)
     config.setdefault("block_cols", 1 << max(0, (n_cols - 1).bit_length()))
     return config
 
