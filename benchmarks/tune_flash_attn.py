@@ -35,8 +35,8 @@ STAGES = (2, 3)
 # registers that the prefetched Q and dO tiles hold, and at head dim 256 it made the pass 20% faster on the H200.
 DKDV_STAGES = (1, 2, 3)
 # Each pass's tile loop as three specialised loops or as one (``one_loop``; see kernels_src/flash_attn.py): which
-# is faster depends on the pass and head dim (on the H200 one loop won in dK/dV at head dims 128 and 256 and in the
-# forward at 256, and lost in dQ and at head dim 64).
+# is faster depends on the pass and head dim (on the H200 one loop won in dK/dV at every head dim and in the forward
+# at 256, and lost in dQ and in the forwards at 64 and 128).
 ONE_LOOP = (False, True)
 
 
