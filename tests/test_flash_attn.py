@@ -87,6 +87,15 @@ def reference_leaves(upcast, *tensors):
     return leaves(*(t.float() for t in tensors)) if upcast else leaves(*tensors)
 
 
+@pytest.fixture(params=[False, True], ids=["three-loops", "one-loop"])
+def tile_loop_form(request, fk, monkeypatch):
+    """Every pass in one form of its tile loop, whatever the launch table picks (``one_loop``: the masked edge
+    tiles and the unmasked middle as three loops, or one loop that tests each tile); the CPU table mixes them."""
+    table_pick = fk._flash_attn.pick
+    monkeypatch.setattr(fk._flash_attn, "pick", lambda *args: {**table_pick(*args), "one_loop": request.param})
+    return request.param
+
+
 def run_and_check(fk, q, k, v, *, s_aux=None, **options):
     """Our output and gradients against the float32 and input-dtype references, by the FA test rule."""
     dout = torch.randn_like(q)
@@ -135,6 +144,7 @@ def test_matches_reference(fk, poisoned_empty, case, dtype):
     run_and_check(fk, q, k, v, **options)
 
 
+@pytest.mark.usefixtures("tile_loop_form")
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_sink(fk, poisoned_empty, causal):
     torch.manual_seed(3)
@@ -192,6 +202,7 @@ def _varlen_case(lengths_q, lengths_k, heads, kv_heads, dim, dtype, tail=0):
     return q, k, v, cu_q, cu_k
 
 
+@pytest.mark.usefixtures("tile_loop_form")
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_matches_per_sequence_reference(fk, poisoned_empty, causal):
     """Uneven, empty and length-1 sequences, plus rows past cu_seqlens[-1] (they get 0 and zero gradients)."""
@@ -251,6 +262,7 @@ def test_strided_views_are_read_in_place(fk, poisoned_empty):
     torch.testing.assert_close(fk.flash_attn_func(*views, causal=True), expected, rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("tile_loop_form")
 @pytest.mark.parametrize("with_sink", [False, True], ids=["no_sink", "sink"])
 def test_dropout_matches_reference_with_the_returned_mask(fk, with_sink):
     torch.manual_seed(9)
@@ -441,13 +453,10 @@ def test_flat_grid_matches_the_two_axis_grid(fk, monkeypatch):
         assert torch.equal(expected, got), f"result {index} differs with the flat grid"
 
 
-@pytest.mark.parametrize("one_loop", [False, True], ids=["three-loops", "one-loop"])
-def test_both_tile_loop_forms_match_reference(fk, poisoned_empty, monkeypatch, one_loop):
-    """Every pass in each form of its tile loop, whatever the launch table picks (``one_loop``: the masked edge
-    tiles and the unmasked middle as three loops, or as one loop that tests each tile): a causal sliding window
-    with soft-capping over enough tiles for edges on both sides of an unmasked middle, with GQA."""
-    table_pick = fk._flash_attn.pick
-    monkeypatch.setattr(fk._flash_attn, "pick", lambda *a, **kw: {**table_pick(*a, **kw), "one_loop": one_loop})
+@pytest.mark.usefixtures("tile_loop_form")
+def test_window_with_edges_on_both_sides_of_whole_tiles(fk, poisoned_empty):
+    """A causal sliding window with soft-capping over enough tiles for masked edges on both sides of unmasked
+    middle tiles, with GQA, in both forms of the tile loop."""
     torch.manual_seed(18)
     seq, left = (700, 300) if ON_GPU else (70, 40)
     q, k, v = make_qkv(2, seq, seq, 4, 2, 32, torch.float16)
