@@ -418,7 +418,7 @@ def test_compile_fullgraph(fk):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", [2, 8], ids=["gqa", "mha"])
 def test_realistic_shapes(fk, dim, causal, kv_heads):
-    """GQA and MHA both: the launch table may pick different dK/dV tiles for them."""
+    """GQA and MHA both: with GQA the dK/dV pass loops over the query heads of each kv head."""
     torch.manual_seed(dim)
     q, k, v = make_qkv(2, 1000, 1000, 8, kv_heads, dim, torch.bfloat16)
     run_and_check(fk, q, k, v, causal=causal)

@@ -4,7 +4,8 @@ Nothing here autotunes or touches the GPU at import: the tables are read on firs
 asked for its name and multiprocessor count only when an op first runs on it. ``benchmarks/tune_*.py``
 regenerates the tables on a GPU.
 
-Table format: ``{kernel: {device name | "default" | "cpu": [entry, ...]}}``. Entries are sorted by
+Table format: ``{kernel: {device name | "default" | "cpu": [entry, ...]}}``. A GPU without entries of its own
+uses those of the tuned GPU of its architecture (``_SAME_ARCHITECTURE``), else "default". Entries are sorted by
 ``max_cols``; the first entry whose ``max_cols`` is at least the row length is used, and the last entry
 (``max_cols`` null) covers every longer row. An entry without ``block_cols`` processes a whole row per block
 (``block_cols = next_power_of_2(n_cols)``).
@@ -19,6 +20,11 @@ import torch
 _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 # Under the interpreter a "program" is a Python loop iteration: a handful keeps persistent grids exercised.
 _INTERPRETER_PROGRAMS = 3
+# Compute capability -> the tuned GPU whose entries serve other GPUs of that capability without entries of their
+# own. H100, H800 and GH200 have the H200's SM (registers, shared memory, tensor cores), so its tiles fit and keep
+# their balance of compute to on-chip memory; only the HBM bandwidth differs. Not measured on those GPUs: the
+# tuners (benchmarks/tune_*.py) give them entries of their own.
+_SAME_ARCHITECTURE = {(9, 0): "NVIDIA H200"}
 
 
 @functools.cache
@@ -32,6 +38,13 @@ def _device_name(device_type: str, index: int) -> str:
     if device_type != "cuda":
         return "cpu"
     return torch.cuda.get_device_name(index)
+
+
+@functools.cache
+def _capability(device_type: str, index: int) -> tuple[int, int] | None:
+    if device_type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.cache
@@ -64,7 +77,10 @@ def select_entry(entries: list[dict], n_cols: int) -> dict:
 @functools.lru_cache(maxsize=4096)
 def _pick(family: str, kernel: str, device_type: str, index: int, n_cols: int) -> dict:
     per_device = _table(family)[kernel]
-    config = select_entry(per_device.get(_device_name(device_type, index)) or per_device["default"], n_cols)
+    entries = (per_device.get(_device_name(device_type, index))
+               or per_device.get(_SAME_ARCHITECTURE.get(_capability(device_type, index)))
+               or per_device["default"])
+    config = select_entry(entries, n_cols)
     config.setdefault("block_cols", 1 << max(0, (n_cols - 1).bit_length()))
     return config
 
