@@ -170,9 +170,9 @@ def main():
           "| spill stores / loads (bytes) |")
     print("|---|---|---|---|---|---|")
     for head_dim in args.head_dims:
+        tiles = {kernel: shipped_tile(table, kernel, args.device, head_dim) for kernel in KERNELS.values()}
+        tiles.update(dict(args.tile))
         for group in args.groups:
-            tiles = {kernel: shipped_tile(table, kernel, args.device, head_dim) for kernel in KERNELS.values()}
-            tiles.update(dict(args.tile))
             for name, (kernel, launch_args, constexprs, warps, stages) in recorded_launches(flash_attn, head_dim, group,
                                                                                              tiles).items():
                 if name not in wanted or (group != args.groups[0] and name != "_bwd_dkdv_kernel"):

@@ -227,8 +227,7 @@ def _backward_impl(dout, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, ma
             _as_4d(dout, varlen), _as_4d(q, varlen), _as_4d(k, varlen), _as_4d(v, varlen), _as_4d(out, varlen), lse,
             s_aux, seed, _as_4d(dq, varlen), _as_4d(dk, varlen), _as_4d(dv, varlen), delta, dsink_rows,
             cu_seqlens_q, cu_seqlens_k, n_batch, seqlen_q, seqlen_k, float(softmax_scale), float(softcap), window,
-            float(dropout_p),
-            dkdv_tile=pick(_CONFIG_FAMILY, "backward_dkdv", q.device, q.shape[-1]),
+            float(dropout_p), dkdv_tile=pick(_CONFIG_FAMILY, "backward_dkdv", q.device, q.shape[-1]),
             dq_tile=pick(_CONFIG_FAMILY, "backward_dq", q.device, q.shape[-1]))
     elif not varlen:
         dq.zero_(), dk.zero_(), dv.zero_()
