@@ -20,9 +20,10 @@ precision the rounded gradient's own storage holds the fp32 sums of its first ro
 is all it has room for) and a second buffer the rest; the end rounds both into that storage in place
 (``_WeightGradSum``), so no rounded copy coexists with the sums. Each later chunk re-reads and re-writes the
 sums, so the default chunk is as large as the budget allows: ``CHUNK_BYTES`` of chunk logits (three chunks for
-8192 tokens of a 152k vocabulary), but no more than the fp32 sums themselves, which are live beside the chunk.
-For a small hidden size (Qwen3-0.6B: 0.58 GiB of sums) a larger chunk would only raise the peak, and the sums'
-re-read per chunk is cheap there.
+8192 tokens of a 152k vocabulary), but no more than half the fp32 sums, which are live beside the chunk. For a
+small hidden size (Qwen3-0.6B: 0.58 GiB of sums) a larger chunk only raises the peak, and the sums' re-read per
+chunk is cheap there: in the Qwen3-0.6B training step on the H200 (B=8 S=4096), chunks of half the sums (32)
+instead of all of them (16) took the peak from 38.05 to 37.76 GiB for 397.0 against 392.4-395.0 ms per step.
 
 Low memory (``low_memory=True``). Instead of an fp32 ``(vocab, hidden)`` sum, the vocabulary goes in the outer
 loop, which needs every token's log-sum-exp first:
@@ -88,15 +89,16 @@ def chunk_tokens_for(n_tokens: int, vocab: int, itemsize: int, chunk_bytes: int 
 
 
 def default_chunk_budget(weight: torch.Tensor, low_memory: bool, weight_grad: bool = True) -> int:
-    """Bytes of chunk logits the default chunk may hold: ``CHUNK_BYTES``, capped by what is live beside the chunk
-    anyway (never below ``SLICE_BYTES``). The default pass caps it at the fp32 weight-gradient sums (when the
-    weight needs a gradient: without one there are no sums, and no reason for smaller chunks); the low-memory
-    loss pass ends before the gradient pass allocates the weight gradient, so there a chunk the size of the
-    weight does not raise the peak."""
+    """Bytes of chunk logits the default chunk may hold: ``CHUNK_BYTES``, capped by the size of what is live beside
+    the chunk anyway (never below ``SLICE_BYTES``). The default pass caps it at half the fp32 weight-gradient sums
+    (when the weight needs a gradient: without one there are no sums, and no reason for smaller chunks; half,
+    because a small head's extra chunks cost little and the peak is sums + chunk: see the module docstring); the
+    low-memory loss pass ends before the gradient pass allocates the weight gradient, so there a chunk the size of
+    the weight does not raise the peak."""
     if low_memory:
         alongside = weight.numel() * weight.element_size()
     elif weight_grad:
-        alongside = weight.numel() * 4
+        alongside = weight.numel() * 4 // 2
     else:
         return CHUNK_BYTES
     return min(CHUNK_BYTES, max(SLICE_BYTES, alongside))
