@@ -21,8 +21,11 @@ host synchronisation.
   pass 1 (LOSS_PASS): an online log-sum-exp (running max, rescaled sum; one exp per element) and, with label
     smoothing, ``sum_c w_c * (max - x_c)`` (non-negative terms, so nothing cancels); then stores the row's
     loss (and z-loss), and its row statistics ``(max_c x_c, log sum_c exp(x_c - max))`` for a later backward;
-  pass 2 (GRAD_PASS): re-reads the row (mostly from L2: a row of 152k bf16 logits is 300 KB) and writes the
-    gradient in the logits dtype. Without LOSS_PASS it reads the row statistics the forward stored.
+  pass 2 (GRAD_PASS): re-reads the row from its end backwards (what pass 1 read last may still be in L2) and
+    writes the gradient in the logits dtype. Without LOSS_PASS it reads the row statistics the forward stored.
+Both passes issue each block's load one iteration ahead, so a program's next block is in flight while it reduces
+or writes the current one: with one program per row the row kernel at 8192 x 151936 on the H200 went from
+1905 us (2048-column blocks, 4 warps) to 1859 us (8192-column blocks, 8 warps; 2048 x 4 warps stayed at 1905).
 lse is kept as its two parts, and p_c = exp((x_c - max) - log_sum): with logits of magnitude 1e4, lse itself is
 rounded to the ulp of the max (1e-3), which would be a 1e-3 relative error in every p_c.
 The gradient may be written into the logits buffer itself (each element is read before it is written, by the
@@ -103,10 +106,15 @@ def _cross_entropy_kernel(
         gap_sum = tl.full((), 0.0, tl.float32)
         seen_weight = tl.full((), 0.0, tl.float32)
         shift = tl.full((), 0.0, tl.float32)
+        # Each block's load is issued one iteration ahead, so the row keeps streaming while a block is reduced.
+        first = tl.arange(0, BLOCK_COLS)
+        z_next = tl.load(row_ptr + first * logits_stride_col, mask=first < n_read, other=0.0)
         for start in range(0, n_read, BLOCK_COLS):
             cols = start + tl.arange(0, BLOCK_COLS)
             mask = cols < n_cols
-            z = tl.load(row_ptr + cols * logits_stride_col, mask=mask, other=0.0).to(tl.float32)
+            z = z_next.to(tl.float32)
+            ahead = cols + BLOCK_COLS
+            z_next = tl.load(row_ptr + ahead * logits_stride_col, mask=ahead < n_read, other=0.0)
             x, _ = _soft_cap(z, softcap, HAS_SOFTCAP)
             x = tl.where(mask, x, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(x, axis=0))
@@ -164,10 +172,16 @@ def _cross_entropy_kernel(
         # An out-of-range target poisons its row's gradient (see the module docstring).
         coef_y = tl.where(ignored | counted, coef_y, float("nan"))
         d_row_ptr = dlogits_ptr + row * dlogits_stride_row
-        for start in range(0, n_cols, BLOCK_COLS):
-            cols = start + tl.arange(0, BLOCK_COLS)
+        # From the row's end backwards (what the loss pass read last may still be in L2), one block ahead.
+        last_start = (tl.cdiv(n_cols, BLOCK_COLS) - 1) * BLOCK_COLS
+        first = last_start + tl.arange(0, BLOCK_COLS)
+        z_next = tl.load(row_ptr + first * logits_stride_col, mask=first < n_read, other=0.0)
+        for back in range(0, n_cols, BLOCK_COLS):
+            cols = (last_start - back) + tl.arange(0, BLOCK_COLS)
             mask = cols < n_cols
-            z = tl.load(row_ptr + cols * logits_stride_col, mask=cols < n_read, other=0.0).to(tl.float32)
+            z = z_next.to(tl.float32)
+            ahead = cols - BLOCK_COLS
+            z_next = tl.load(row_ptr + ahead * logits_stride_col, mask=(ahead >= 0) & (ahead < n_read), other=0.0)
             x, t = _soft_cap(z, softcap, HAS_SOFTCAP)
             p = tl.exp((x - row_max) - log_sum)
             dx = coef_y * tl.where(col_start + cols == y, p - 1.0, p)
