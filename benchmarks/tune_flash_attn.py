@@ -40,15 +40,16 @@ DKDV_STAGES = (1, 2, 3)
 ONE_LOOP = (False, True)
 
 
-def candidates(block_ms, stages):
-    for block_m, block_n, warps, stages, one_loop in itertools.product(block_ms, BLOCK_N, WARPS, stages, ONE_LOOP):
+def candidates(block_ms, stage_counts):
+    for block_m, block_n, warps, stages, one_loop in itertools.product(block_ms, BLOCK_N, WARPS, stage_counts,
+                                                                       ONE_LOOP):
         yield {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages, "one_loop": one_loop}
 
 
-def fastest(label, timed, block_ms=BLOCK_M, stages=STAGES):
+def fastest(label, timed, block_ms=BLOCK_M, stage_counts=STAGES):
     """The candidate with the lowest time; ``timed(config)`` returns milliseconds or raises if it cannot run."""
     best = None
-    for config in candidates(block_ms, stages):
+    for config in candidates(block_ms, stage_counts):
         try:
             ms = timed(config)
         except Exception as error:  # noqa: BLE001 - out of resources and the like: not a candidate
