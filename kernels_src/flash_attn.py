@@ -137,6 +137,16 @@ def _run_bounds(run: tl.constexpr, ONE_LOOP: tl.constexpr, lo, full_lo, full_hi,
 
 
 @triton.jit
+def _is_edge(tile_start, full_lo, full_hi, ONE_LOOP: tl.constexpr):
+    """Whether the partner tile at ``tile_start`` needs its mask: with ONE_LOOP, whether it lies outside the whole
+    tiles [full_lo, full_hi); with three loops always True, since each run's MASKED flag decides at compile time."""
+    if ONE_LOOP:
+        return (tile_start < full_lo) | (tile_start >= full_hi)
+    else:
+        return True
+
+
+@triton.jit
 def _tile_of_head(seqlen, BLOCK: tl.constexpr, FLAT_GRID: tl.constexpr):
     """(first row, or column, of this program's tile; its batch * n_heads + head index). The grid is (tiles,
     pairs), or with FLAT_GRID one axis of cdiv(seqlen, BLOCK) tiles per pair, tiles varying fastest in both.
@@ -245,7 +255,7 @@ def _fwd_kernel(
     for run in tl.static_range(1 if ONE_LOOP else 3):
         start, end = _run_bounds(run, ONE_LOOP, lo, full_lo, full_hi, hi)
         for col_start in range(start, end, BLOCK_N):
-            edge = (col_start < full_lo) | (col_start >= full_hi) if ONE_LOOP else True
+            edge = _is_edge(col_start, full_lo, full_hi, ONE_LOOP)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batch_head,
                                       kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
                                       window_right, seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks,
@@ -383,7 +393,7 @@ def _bwd_dkdv_kernel(
         for run in tl.static_range(1 if ONE_LOOP else 3):  # see _fwd_kernel
             start, end = _run_bounds(run, ONE_LOOP, lo, full_lo, full_hi, hi)
             for row_start in range(start, end, BLOCK_M):
-                edge = (row_start < full_lo) | (row_start >= full_hi) if ONE_LOOP else True
+                edge = _is_edge(row_start, full_lo, full_hi, ONE_LOOP)
                 dk, dv = _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delta_ptr, batch,
                                     head, n_heads, q_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
                                     window_right, seed_ptr, drop_threshold, keep_scale, stride_qb, stride_qs,
@@ -444,7 +454,7 @@ def _bwd_dq_kernel(
     for run in tl.static_range(1 if ONE_LOOP else 3):  # see _fwd_kernel
         start, end = _run_bounds(run, ONE_LOOP, lo, full_lo, full_hi, hi)
         for col_start in range(start, end, BLOCK_N):
-            edge = (col_start < full_lo) | (col_start >= full_hi) if ONE_LOOP else True
+            edge = _is_edge(col_start, full_lo, full_hi, ONE_LOOP)
             dq, p_dp = _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_ptr, batch,
                                 batch_head, kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap,
                                 window_left, window_right, seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks,
