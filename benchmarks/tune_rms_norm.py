@@ -19,7 +19,7 @@ from launch_tables import bucket_entries, read_table, write_device_entries
 
 BUCKETS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 TARGET_ELEMENTS = 64 * 1024 * 1024
-WARPS = (4, 8, 16)
+WARPS = (4, 8, 16, 32)
 PROGRAMS_PER_SM = (1, 2, 3, 4, 8)
 LOOPED_BLOCK_COLS = (4096, 8192)
 MAX_SINGLE_PASS_COLS = 32768
