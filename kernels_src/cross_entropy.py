@@ -71,7 +71,8 @@ def _cross_entropy_kernel(
     HAS_GRAD_OUT: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
     # One program per row. (A capped grid of programs walking rows, so that the gradient pass re-reads each row
-    # from L2, measured 1.2-1.6x slower on the H200 at every cap from 1 to 8 programs per SM.)
+    # from L2, measured 1.2-1.6x slower on the H200 at every cap from 1 to 8 programs per SM; with this kernel's
+    # loads issued a block ahead, 1.09-1.59x at 1-4 per SM: 2016 us at best against 1855, 8192 x 151936 bf16.)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_stride_row
     y = tl.load(target_ptr + row).to(tl.int64)
