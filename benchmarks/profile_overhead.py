@@ -35,20 +35,21 @@ def main():
     w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     y = torch.empty_like(x)
+    rstd = torch.rsqrt(x.detach().float().square().mean(-1) + 1e-6)
     layout = (8, 0, 1024, 1)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     ops_module = sys.modules[f"{fk.__name__}.rms_norm"]
     backward_launch = lambda: fk._kernels.rms_norm.rms_norm_backward(
-        dy, layout, x.detach(), layout, w.detach(), None, None, dx, dw, 8, 1024, 1e-6, "llama", block_rows=1,
+        dy, layout, x.detach(), layout, rstd, w.detach(), None, None, dx, dw, 8, 1024, 1e-6, "llama", block_rows=1,
         block_cols=1024, num_warps=4, num_programs=8)
     from triton.testing import do_bench
     print(f"backward launch, GPU time {do_bench(backward_launch, return_mode='median') * 1e3:.1f} us")
     cases = {
         "launcher only": lambda: fk._kernels.rms_norm.rms_norm_forward(
-            x, layout, w, None, None, y, None, 8, 1024, 1e-6, "llama", block_rows=1, block_cols=1024, num_warps=4),
+            x, layout, w, None, None, y, None, rstd, 8, 1024, 1e-6, "llama", block_rows=1, block_cols=1024, num_warps=4),
         "backward launcher only": backward_launch,
-        "_triton_backward": lambda: ops_module._triton_backward(dy, None, x.detach(), w.detach(), 1e-6, "llama", True),
-        "_backward_impl": lambda: ops_module._backward_impl(dy, None, x.detach(), w.detach(), 1e-6, "llama", True),
+        "_triton_backward": lambda: ops_module._triton_backward(dy, None, x.detach(), rstd, w.detach(), 1e-6, "llama", True),
+        "_backward_impl": lambda: ops_module._backward_impl(dy, None, x.detach(), rstd, w.detach(), 1e-6, "llama", True),
         "op forward, no grad": lambda: fk.rms_norm(x.detach(), w.detach()),
         "op forward, grad": lambda: fk.rms_norm(x, w),
         "op forward+backward": lambda: fk.rms_norm(x, w).backward(dy),

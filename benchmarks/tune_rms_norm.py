@@ -48,18 +48,19 @@ def tune(kernel_module, n_cols, multiprocessors):
     w = torch.randn(n_cols, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     y, dx, dw = torch.empty_like(x), torch.empty_like(x), torch.empty_like(w)
+    rstd = torch.empty(n_rows, device="cuda", dtype=torch.float32)
     layout = (n_rows, 0, n_cols, 1)
     best = {"forward": None, "backward": None}
     for block_rows, block_cols in candidate_tiles(n_cols):
         for warps in WARPS:
             tile = dict(block_rows=block_rows, block_cols=block_cols, num_warps=warps)
-            fwd = time_ms(lambda: kernel_module.rms_norm_forward(x, layout, w, None, None, y, None, n_rows, n_cols,
-                                                                 1e-6, "llama", **tile))
+            fwd = time_ms(lambda: kernel_module.rms_norm_forward(x, layout, w, None, None, y, None, rstd, n_rows,
+                                                                 n_cols, 1e-6, "llama", **tile))
             if best["forward"] is None or fwd < best["forward"][0]:
                 best["forward"] = (fwd, tile)
             for per_sm in PROGRAMS_PER_SM:
                 bwd = time_ms(lambda: kernel_module.rms_norm_backward(
-                    dy, layout, x, layout, w, None, None, dx, dw, n_rows, n_cols, 1e-6, "llama", **tile,
+                    dy, layout, x, layout, rstd, w, None, None, dx, dw, n_rows, n_cols, 1e-6, "llama", **tile,
                     num_programs=per_sm * multiprocessors))
                 if best["backward"] is None or bwd < best["backward"][0]:
                     best["backward"] = (bwd, {**tile, "programs_per_sm": per_sm})

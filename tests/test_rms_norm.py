@@ -211,10 +211,13 @@ def test_empty_batch(fk):
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("tile", [(2, 1024), (1, 16384)], ids=["prefetching", "widest-tile-without-prefetch"])
+@pytest.mark.parametrize("tile", [(2, 1024), (1, 16384), (2, 8192)],
+                         ids=["prefetching", "widest-tile-without-prefetch", "row-pairs-without-prefetch"])
 def test_both_whole_row_backward_schedules(fk, monkeypatch, tile, with_residual):
-    """The whole-row backward prefetches the next row block for tiles up to PREFETCH_MAX_TILE elements and
-    loads plainly above; both schedules give the reference gradients, whatever the device's launch table picks."""
+    """The whole-row backward prefetches the next row block for tiles up to PREFETCH_MAX_TILE elements (strided
+    row blocks, statistics recomputed) and loads plainly above (contiguous row blocks, the forward's rstd); both
+    schedules give the reference gradients, whatever the device's launch table picks, also with a padded last
+    row block (37 rows in pairs)."""
     module = importlib.import_module(fk.__name__ + ".rms_norm")
     prefetches = tile[0] * tile[1] <= module._triton_rms_norm.PREFETCH_MAX_TILE
     assert prefetches == (tile == (2, 1024))
@@ -315,7 +318,8 @@ def test_opcheck(fk):
     torch.library.opcheck(ops.rms_norm, (x, weight, EPS, "llama"))
     torch.library.opcheck(ops.fused_add_rms_norm, (x, residual, weight, EPS, "gemma"))
     dy = torch.randn(shape, device=DEVICE)
-    torch.library.opcheck(ops.rms_norm_backward, (dy, dy, x.detach(), weight.detach(), EPS, "plain", True))
+    rstd = ops.rms_norm(x.detach(), weight.detach(), EPS, "plain")[1]
+    torch.library.opcheck(ops.rms_norm_backward, (dy, dy, x.detach(), rstd, weight.detach(), EPS, "plain", True))
 
 
 def test_compile_fullgraph(fk):

@@ -64,18 +64,20 @@ def _torch_scale(weight, mode):
 
 
 def _torch_forward(h, weight, eps, mode, out_dtype):
+    """(y, rstd), rstd of shape ``h.shape[:-1]`` in fp32."""
     h32 = h.float()
-    x_hat = h32 * torch.rsqrt(h32.square().mean(-1, keepdim=True) + eps)
+    rstd = torch.rsqrt(h32.square().mean(-1, keepdim=True) + eps)
+    x_hat = h32 * rstd
     if mode == "llama":
         x_hat = x_hat.to(h.dtype).float()
     if weight is not None:
         x_hat = x_hat * _torch_scale(weight, mode)
-    return x_hat.to(out_dtype)
+    return x_hat.to(out_dtype), rstd.squeeze(-1)
 
 
-def _torch_backward(dy, d_residual_out, h, weight, eps, mode, compute_dw):
+def _torch_backward(dy, d_residual_out, h, rstd, weight, mode, compute_dw):
     h32, dy32 = h.float(), dy.float()
-    rstd = torch.rsqrt(h32.square().mean(-1, keepdim=True) + eps)
+    rstd = rstd.unsqueeze(-1)
     x_hat = h32 * rstd
     g = dy32 * _torch_scale(weight, mode) if weight is not None else dy32
     dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
@@ -97,8 +99,9 @@ def _triton_forward(x, weight, residual, eps, mode, out_dtype):
     n_rows = x.numel() // n_cols
     y = torch.empty(x.shape, device=x.device, dtype=out_dtype)
     residual_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    rstd = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
     if n_rows == 0:
-        return y, residual_out
+        return y, residual_out, rstd
     if residual is not None:
         (x, residual), (x_layout, r_layout) = shared_row_layouts(x, residual)
     else:
@@ -106,13 +109,13 @@ def _triton_forward(x, weight, residual, eps, mode, out_dtype):
         r_layout = None
     config = pick(_CONFIG_FAMILY, "forward", x.device, n_cols)
     _triton_rms_norm.rms_norm_forward(
-        x, x_layout, weight.contiguous() if weight is not None else None, residual, r_layout, y, residual_out,
+        x, x_layout, weight.contiguous() if weight is not None else None, residual, r_layout, y, residual_out, rstd,
         n_rows, n_cols, float(eps), mode,
         block_rows=config["block_rows"], block_cols=config["block_cols"], num_warps=config["num_warps"])
-    return y, residual_out
+    return y, residual_out, rstd
 
 
-def _triton_backward(dy, d_residual_out, h, weight, eps, mode, compute_dw):
+def _triton_backward(dy, d_residual_out, h, rstd, weight, eps, mode, compute_dw):
     n_cols = h.shape[-1]
     n_rows = h.numel() // n_cols
     dx = torch.empty(h.shape, device=h.device, dtype=h.dtype)
@@ -127,7 +130,7 @@ def _triton_backward(dy, d_residual_out, h, weight, eps, mode, compute_dw):
     d_residual_out, dr_layout = (tensors[2], layouts[2]) if d_residual_out is not None else (None, None)
     config = pick(_CONFIG_FAMILY, "backward", h.device, n_cols)
     _triton_rms_norm.rms_norm_backward(
-        dy, layouts[0], h, layouts[1], weight.contiguous() if weight is not None else None,
+        dy, layouts[0], h, layouts[1], rstd.contiguous(), weight.contiguous() if weight is not None else None,
         d_residual_out, dr_layout, dx, dw, n_rows, n_cols, float(eps), mode,
         block_rows=config["block_rows"], block_cols=config["block_cols"], num_warps=config["num_warps"],
         num_programs=config["programs_per_sm"] * multiprocessor_count(h.device))
@@ -135,23 +138,23 @@ def _triton_backward(dy, d_residual_out, h, weight, eps, mode, compute_dw):
 
 
 def _forward(x, weight, residual, eps, mode):
-    """(y, residual_out): residual_out = x + residual, or None without a residual."""
+    """(y, residual_out, rstd): residual_out = x + residual, or None without a residual; rstd (fp32, shape
+    ``x.shape[:-1]``) is what the backward reads instead of reducing each row again."""
     _validate(x, weight, residual, eps, mode)
     out_dtype = _output_dtype(x, weight, mode)
     if _checks.runs_triton(x):
         return _triton_forward(x, weight, residual, eps, mode, out_dtype)
-    if residual is None:
-        return _torch_forward(x, weight, eps, mode, out_dtype), None
-    h = x + residual
-    return _torch_forward(h, weight, eps, mode, out_dtype), h
+    h = x if residual is None else x + residual
+    y, rstd = _torch_forward(h, weight, eps, mode, out_dtype)
+    return y, None if residual is None else h, rstd
 
 
-def _backward_impl(dy, d_residual_out, h, weight, eps, mode, compute_dw):
+def _backward_impl(dy, d_residual_out, h, rstd, weight, eps, mode, compute_dw):
     if dy is None:  # only the residual output of the fused form was used
         dy = torch.zeros(h.shape, device=h.device, dtype=h.dtype)
     if _checks.runs_triton(h):
-        return _triton_backward(dy, d_residual_out, h, weight, eps, mode, compute_dw)
-    return _torch_backward(dy, d_residual_out, h, weight, eps, mode, compute_dw)
+        return _triton_backward(dy, d_residual_out, h, rstd, weight, eps, mode, compute_dw)
+    return _torch_backward(dy, d_residual_out, h, rstd, weight, mode, compute_dw)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -159,58 +162,68 @@ def _backward_impl(dy, d_residual_out, h, weight, eps, mode, compute_dw):
 # ----------------------------------------------------------------------------------------------------------
 
 @torch.library.custom_op(add_op_namespace_prefix("rms_norm"), mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float, mode: str) -> torch.Tensor:
-    return _forward(x, weight, None, eps, mode)[0]
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                 mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): rstd (fp32, shape ``x.shape[:-1]``, not differentiable) is what the backward reads."""
+    y, _, rstd = _forward(x, weight, None, eps, mode)
+    return y, rstd
+
+
+def _fake_rstd(x):
+    return x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps, mode):
     _validate(x, weight, None, eps, mode)
-    return x.new_empty(x.shape, dtype=_output_dtype(x, weight, mode))
+    return x.new_empty(x.shape, dtype=_output_dtype(x, weight, mode)), _fake_rstd(x)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("fused_add_rms_norm"), mutates_args=())
 def _fused_add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                           mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+                           mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, x + residual, rstd), rstd as in ``rms_norm``."""
     return _forward(x, weight, residual, eps, mode)
 
 
 @_fused_add_rms_norm_op.register_fake
 def _(x, residual, weight, eps, mode):
     _validate(x, weight, residual, eps, mode)
-    return x.new_empty(x.shape, dtype=_output_dtype(x, weight, mode)), x.new_empty(x.shape)
+    return x.new_empty(x.shape, dtype=_output_dtype(x, weight, mode)), x.new_empty(x.shape), _fake_rstd(x)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("rms_norm_backward"), mutates_args=())
 def _rms_norm_backward_op(dy: torch.Tensor | None, d_residual_out: torch.Tensor | None, h: torch.Tensor,
-                          weight: torch.Tensor | None, eps: float, mode: str,
+                          rstd: torch.Tensor, weight: torch.Tensor | None, eps: float, mode: str,
                           compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dw) for the normalised input ``h``; dw is an empty tensor unless ``compute_dw``."""
-    dx, dw = _backward_impl(dy, d_residual_out, h, weight, eps, mode, compute_dw)
+    """(dx, dw) for the normalised input ``h`` and the forward's ``rstd``; dw is an empty tensor unless
+    ``compute_dw``."""
+    dx, dw = _backward_impl(dy, d_residual_out, h, rstd, weight, eps, mode, compute_dw)
     return dx, dw if dw is not None else h.new_empty(0)
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy, d_residual_out, h, weight, eps, mode, compute_dw):
+def _(dy, d_residual_out, h, rstd, weight, eps, mode, compute_dw):
     dw = weight.new_empty(weight.shape) if compute_dw else h.new_empty(0)
     return h.new_empty(h.shape), dw
 
 
-def _backward(ctx, dy, d_residual_out, h, weight, weight_input_index):
+def _backward(ctx, dy, d_residual_out, weight_input_index):
+    h, rstd, weight = ctx.saved_tensors
     compute_dw = weight is not None and ctx.needs_input_grad[weight_input_index]
-    dx, dw = _rms_norm_backward_op(dy, d_residual_out, h, weight, ctx.eps, ctx.mode, compute_dw)
+    dx, dw = _rms_norm_backward_op(dy, d_residual_out, h, rstd, weight, ctx.eps, ctx.mode, compute_dw)
     return dx, dw if compute_dw else None
 
 
 def _rms_norm_setup_context(ctx, inputs, output):
     x, weight, eps, mode = inputs
-    ctx.save_for_backward(x, weight)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, output[1], weight)
     ctx.eps, ctx.mode = eps, mode
 
 
-def _rms_norm_backward(ctx, dy):
-    x, weight = ctx.saved_tensors
-    dx, dw = _backward(ctx, dy, None, x, weight, weight_input_index=1)
+def _rms_norm_backward(ctx, dy, _d_rstd):
+    dx, dw = _backward(ctx, dy, None, weight_input_index=1)
     return dx, dw, None, None
 
 
@@ -219,13 +232,13 @@ _rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup
 
 def _fused_add_setup_context(ctx, inputs, output):
     _, _, weight, eps, mode = inputs
-    ctx.save_for_backward(output[1], weight)
+    ctx.mark_non_differentiable(output[2])
+    ctx.save_for_backward(output[1], output[2], weight)
     ctx.eps, ctx.mode = eps, mode
 
 
-def _fused_add_backward(ctx, dy, d_residual_out):
-    h, weight = ctx.saved_tensors
-    dh, dw = _backward(ctx, dy, d_residual_out, h, weight, weight_input_index=2)
+def _fused_add_backward(ctx, dy, d_residual_out, _d_rstd):
+    dh, dw = _backward(ctx, dy, d_residual_out, weight_input_index=2)
     # h = x + residual, so both inputs receive dh.
     return dh, dh, dw, None, None
 
@@ -245,17 +258,17 @@ class _EagerRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, residual, eps, mode):
-        y, residual_out = _forward(x, weight, residual, eps, mode)
+        y, residual_out, rstd = _forward(x, weight, residual, eps, mode)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x if residual is None else residual_out, weight)
+        ctx.save_for_backward(x if residual is None else residual_out, rstd, weight)
         ctx.eps, ctx.mode, ctx.fused = eps, mode, residual is not None
         return y if residual is None else (y, residual_out)
 
     @staticmethod
     def backward(ctx, dy, d_residual_out=None):
-        h, weight = ctx.saved_tensors
+        h, rstd, weight = ctx.saved_tensors
         compute_dw = weight is not None and ctx.needs_input_grad[1]
-        dx, dw = _backward_impl(dy, d_residual_out, h, weight, ctx.eps, ctx.mode, compute_dw)
+        dx, dw = _backward_impl(dy, d_residual_out, h, rstd, weight, ctx.eps, ctx.mode, compute_dw)
         # h = x + residual, so both inputs of the fused form receive dx.
         return dx, dw, dx if ctx.fused else None, None, None
 
@@ -277,7 +290,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     Differentiable in ``x`` and ``weight``.
     """
     if torch.compiler.is_compiling():
-        return _rms_norm_op(x, weight, eps, mode)
+        return _rms_norm_op(x, weight, eps, mode)[0]
     return _EagerRMSNorm.apply(x, weight, None, eps, mode)
 
 
@@ -289,5 +302,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     input is modified. Differentiable in ``x``, ``residual`` and ``weight``.
     """
     if torch.compiler.is_compiling():
-        return _fused_add_rms_norm_op(x, residual, weight, eps, mode)
+        y, h, _ = _fused_add_rms_norm_op(x, residual, weight, eps, mode)
+        return y, h
     return _EagerRMSNorm.apply(x, weight, residual, eps, mode)
