@@ -46,10 +46,13 @@ def main():
     print(f"backward launch, GPU time {do_bench(backward_launch, return_mode='median') * 1e3:.1f} us")
     cases = {
         "launcher only": lambda: fk._kernels.rms_norm.rms_norm_forward(
-            x, layout, w, None, None, y, None, rstd, 8, 1024, 1e-6, "llama", block_rows=1, block_cols=1024, num_warps=4),
+            x, layout, w, None, None, y, None, rstd, 8, 1024, 1e-6, "llama", block_rows=1, block_cols=1024,
+            num_warps=4),
         "backward launcher only": backward_launch,
-        "_triton_backward": lambda: ops_module._triton_backward(dy, None, x.detach(), rstd, w.detach(), 1e-6, "llama", True),
-        "_backward_impl": lambda: ops_module._backward_impl(dy, None, x.detach(), rstd, w.detach(), 1e-6, "llama", True),
+        "_triton_backward": lambda: ops_module._triton_backward(dy, None, x.detach(), rstd, w.detach(), 1e-6, "llama",
+                                                                True),
+        "_backward_impl": lambda: ops_module._backward_impl(dy, None, x.detach(), rstd, w.detach(), 1e-6, "llama",
+                                                            True),
         "op forward, no grad": lambda: fk.rms_norm(x.detach(), w.detach()),
         "op forward, grad": lambda: fk.rms_norm(x, w),
         "op forward+backward": lambda: fk.rms_norm(x, w).backward(dy),
