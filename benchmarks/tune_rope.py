@@ -44,7 +44,7 @@ def main():
     for block_s, block_h, warps in itertools.product(BLOCK_S, BLOCK_H, WARPS):
         config = dict(block_s=block_s, block_h=block_h, num_warps=warps)
         times = [do_bench(lambda inverse=inverse: rope.rope(q, k, q_out, k_out, cos, sin, None, HEAD_DIM, False,
-                                                             inverse, **config), warmup=5, rep=25,
+                                                             inverse, heads_dim=2, **config), warmup=5, rep=25,
                           return_mode="median") for inverse in (False, True)]
         print(f"{config}  forward {times[0] * 1e3:6.1f} us ({moved / times[0] / 1e6:5.0f} GB/s)  "
               f"inverse {times[1] * 1e3:6.1f} us", flush=True)

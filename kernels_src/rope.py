@@ -135,29 +135,45 @@ def _rope_kernel(
                   BLOCK_TAIL)
 
 
-def rope(q, k, q_out, k_out, cos, sin, position_ids, rotary_dim, interleaved, inverse, *, block_s, block_h,
-         num_warps):
+def _logical_layout(t, heads_dim):
+    """Shape and strides of a q/k-shaped tensor in the logical (batch, seq, heads, head_dim) order."""
+    shape, strides = t.shape, t.stride()
+    if heads_dim == 1:
+        return (shape[0], shape[2], shape[1], shape[3]), (strides[0], strides[2], strides[1], strides[3])
+    return tuple(shape), strides
+
+
+def _batch_broadcast_strides(t):
+    """``t``'s strides with the leading (batch) one 0 where that dimension is 1, so that it broadcasts."""
+    strides = t.stride()
+    return (0, *strides[1:]) if t.shape[0] == 1 else strides
+
+
+def rope(q, k, q_out, k_out, cos, sin, position_ids, rotary_dim, interleaved, inverse, *, heads_dim, block_s,
+         block_h, num_warps):
     """Launch the rotation of q and k into q_out and k_out, which are the same objects as q and k in place.
 
-    q, k, q_out and k_out are (batch, seq, heads, head_dim) views (any strides; q and k may differ in heads).
-    Without ``position_ids``, cos and sin are (batch, seq, rotary_dim) views (stride 0 to broadcast a batch of
-    1). With ``position_ids``, a (batch, seq) integer view, they are (max_positions, rotary_dim) caches.
-    ``block_h`` caps the heads per inner step.
+    q, k, q_out and k_out are ``(batch, heads, seq, head_dim)`` (``heads_dim`` 1) or ``(batch, seq, heads,
+    head_dim)`` (``heads_dim`` 2) tensors, any strides (q and k may differ in heads); only their strides are
+    permuted, nothing is copied or viewed. Without ``position_ids``, cos and sin are (batch or 1, seq,
+    rotary_dim) tables. With ``position_ids``, a (batch or 1, seq) integer tensor, they are (max_positions,
+    rotary_dim) caches. ``block_h`` caps the heads per inner step.
     """
-    batch, seq_len, n_q_heads, head_dim = q.shape
-    n_k_heads = k.shape[2]
+    (batch, seq_len, n_q_heads, head_dim), q_strides = _logical_layout(q, heads_dim)
+    n_k_heads = k.shape[heads_dim]
     copy_tail = rotary_dim < head_dim and q_out is not q
     has_positions = position_ids is not None
     if has_positions:
         cos_strides = (0, *cos.stride())  # (unused batch, row, column)
-        position_strides = position_ids.stride()
+        position_strides = _batch_broadcast_strides(position_ids)
     else:
-        cos_strides, position_strides = cos.stride(), (0, 0)
+        cos_strides, position_strides = _batch_broadcast_strides(cos), (0, 0)
     launch(
         _rope_kernel, (cdiv(seq_len, block_s) * batch,),
         (q, k, q_out, k_out, cos, sin, position_ids if has_positions else cos,
          seq_len, n_q_heads, n_k_heads, cos.shape[0] if has_positions else 0,
-         *q.stride(), *q_out.stride(), *k.stride(), *k_out.stride(), *cos_strides, *position_strides),
+         *q_strides, *_logical_layout(q_out, heads_dim)[1], *_logical_layout(k, heads_dim)[1],
+         *_logical_layout(k_out, heads_dim)[1], *cos_strides, *position_strides),
         dict(ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim, CONVENTION=(INTERLEAVED if interleaved else HALF_SPLIT).value,
              INVERSE=inverse, HAS_POSITIONS=has_positions, COPY_TAIL=copy_tail, BLOCK_S=block_s,
              BLOCK_HQ=min(block_h, next_power_of_2(max(n_q_heads, 1))),
