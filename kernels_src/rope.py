@@ -12,8 +12,9 @@ angle of pair i at that position:
 HALF_SPLIT pairs column i with i + R/2 (transformers' ``rotate_half``); INTERLEAVED pairs 2i with 2i + 1
 (GPT-J; each head's R columns are loaded as one contiguous run and split into even and odd members, so
 the accesses are as wide as in the half-split case). The inverse rotation (``INVERSE``, the backward: the
-rotation is orthogonal, so its transpose is its inverse) negates sin. The columns from R to head_dim pass through: copied when the output is another
-tensor (``COPY_TAIL``), left alone in place. Math in fp32, stores in the output's dtype.
+rotation is orthogonal, so its transpose is its inverse) negates sin. The columns from R to head_dim pass
+through: copied when the output is another tensor (``COPY_TAIL``), left alone in place. Math in fp32, stores
+in the output's dtype.
 
 cos/sin have R columns laid out as their convention duplicates each angle: ``cat(freqs, freqs)`` for
 HALF_SPLIT (column i is read, i < R/2) and ``repeat_interleave(freqs, 2)`` for INTERLEAVED (column 2i is
