@@ -252,7 +252,7 @@ def _rms_norm_backward_kernel(
             # Where the dw term is formed changes the schedule ptxas finds. Prefetching tiles: dy in fp32 from its
             # arrival and the term formed before the reductions (222 us at 16384 x 8192 on the H200, against 259
             # with the other order). Wider tiles: dy kept in its own dtype (packed bf16 halves its registers) and
-            # the term formed after the dx store (36 bytes spilled on 8 warps at 16384 columns, against 52).
+            # the term formed after the dx store (144 bytes spilled on 8 warps at 16384 columns, against 208).
             if PREFETCH:
                 dw_term = _dw_term(dy_raw, x_hat, input_dtype, MODE)
             mean_gx = tl.sum(g * x_hat, axis=1) / n_cols
