@@ -5,9 +5,11 @@ Why. ptxas keeps at most 255 registers per thread and spills the rest to local m
 re-reads and re-writes in every loop iteration. On the H200 the flash-attention dK/dV pass spills (its two fp32
 accumulators plus its score tiles do not fit), and that is where the backward falls short. This reports it for
 any tile and head dim on a machine without a GPU, so that tiles and kernel changes can be screened before they are
-timed. The numbers come from this machine's Triton (3.9 on the CPU machines); the H200's Triton 3.6 allocates
-registers similarly, not identically (dK/dV at 64x64, 4 warps: both at the limit and spilling; dQ: 210 against
-213 registers, neither spilling).
+timed. The numbers come from the Triton it runs with: the CPU machines' 3.9 allocates registers similarly to the
+H200's 3.6, not identically (dK/dV at 64x64, 4 warps: both at the limit and spilling; dQ: 210 against 213
+registers, neither spilling). For the H200's own allocation run it with Triton 3.6 (``pip install --no-deps
+--target /tmp/t36 triton==3.6.0``, then ``PYTHONPATH=/tmp/t36``): compiled that way, the RMSNorm backward's
+spills matched what Triton reported on the H200 to the byte (144 and 96 bytes at 1 x 16384 on 8 and 16 warps).
 
     python benchmarks/register_report.py [--arch 90] [--head-dims 64 128 256] [--groups 1 4]
                                          [--device "NVIDIA H200"] [--tile dkdv=16,128,8,3]
