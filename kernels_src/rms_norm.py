@@ -56,9 +56,10 @@ def _load_tile(ptr, row_offsets, cols, stride_col, mask):
 
 
 @triton.jit
-def _weight_factor(w_ptr, cols, col_mask, MODE: tl.constexpr):
-    """The per-column factor the normalised row is multiplied by: w, or 1 + w in GEMMA mode (fp32)."""
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+def _weight_factor(w_ptr, cols, col_mask, MODE: tl.constexpr, CACHE: tl.constexpr):
+    """The per-column factor the normalised row is multiplied by: w, or 1 + w in GEMMA mode (fp32). ``CACHE``:
+    the load's cache modifier."""
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
     if MODE == GEMMA:
         w = w + 1.0
     return w
@@ -84,7 +85,7 @@ def _scale_by_weight(x_hat, w_ptr, cols, col_mask, INPUT_DTYPE: tl.constexpr, MO
     if MODE == LLAMA:
         x_hat = x_hat.to(INPUT_DTYPE).to(tl.float32)
     if HAS_WEIGHT:
-        x_hat = x_hat * _weight_factor(w_ptr, cols, col_mask, MODE)[None, :]
+        x_hat = x_hat * _weight_factor(w_ptr, cols, col_mask, MODE, "")[None, :]
     return x_hat
 
 
@@ -147,10 +148,10 @@ def _rms_norm_forward_kernel(
 
 
 @triton.jit
-def _weight_or_one(w_ptr, cols, col_mask, MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+def _weight_or_one(w_ptr, cols, col_mask, MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, CACHE: tl.constexpr):
     """The factor g = dy * factor uses: w, 1 + w (GEMMA), or 1 without a weight (fp32, per column)."""
     if HAS_WEIGHT:
-        return _weight_factor(w_ptr, cols, col_mask, MODE)
+        return _weight_factor(w_ptr, cols, col_mask, MODE, CACHE)
     return tl.full(cols.shape, 1.0, tl.float32)
 
 
@@ -211,7 +212,7 @@ def _rms_norm_backward_kernel(
             first_block = pid
             end_block = n_row_blocks
             step = n_programs
-            w_factor = _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT)
+            w_factor = _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT, "")
             h_next = _load_row_block(h_ptr, first_block, rows_inner, h_stride_outer, h_stride_inner, h_stride_col,
                                      cols, col_mask, n_rows, BLOCK_ROWS)
             dy_next = _load_row_block(dy_ptr, first_block, rows_inner, dy_stride_outer, dy_stride_inner,
@@ -227,10 +228,8 @@ def _rms_norm_backward_kernel(
             step = 1
         for block in range(first_block, end_block, step):
             if PREFETCH:
-                # Both converted on arrival (see the dw term below); converting h only where it is used instead
-                # changes the PTX of every prefetching tile (Triton 3.6, sm_90a).
                 h_raw = h_next.to(tl.float32)
-                dy_raw = dy_next.to(tl.float32)
+                dy_raw = dy_next.to(tl.float32)  # converted on arrival: see the dw term below
                 h_next = _load_row_block(h_ptr, block + step, rows_inner, h_stride_outer, h_stride_inner,
                                          h_stride_col, cols, col_mask, n_rows, BLOCK_ROWS)
                 dy_next = _load_row_block(dy_ptr, block + step, rows_inner, dy_stride_outer, dy_stride_inner,
@@ -240,24 +239,30 @@ def _rms_norm_backward_kernel(
                                         col_mask, n_rows, BLOCK_ROWS)
                 dy_raw = _load_row_block(dy_ptr, block, rows_inner, dy_stride_outer, dy_stride_inner, dy_stride_col,
                                          cols, col_mask, n_rows, BLOCK_ROWS)
-                w_factor = _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT)
+                w_factor = _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT, "")
             rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
             h = h_raw.to(tl.float32)
             if PREFETCH:
                 rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
-            else:
-                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            x_hat = h * rstd[:, None]
-            g = dy_raw.to(tl.float32) * w_factor[None, :]
-            # Where the dw term is formed changes the schedule ptxas finds. Prefetching tiles: dy in fp32 from its
-            # arrival and the term formed before the reductions (222 us at 16384 x 8192 on the H200, against 259
-            # with the other order). Wider tiles: dy kept in its own dtype (packed bf16 halves its registers) and
-            # the term formed after the dx store (144 bytes spilled on 8 warps at 16384 columns, against 208).
-            if PREFETCH:
+                x_hat = h * rstd[:, None]
+                g = dy_raw * w_factor[None, :]
+                # dy in fp32 from its arrival and the dw term formed before the reduction: 222 us at 16384 x 8192 on
+                # the H200, against 259 with dy kept in bf16 and the term formed after the dx store.
                 dw_term = _dw_term(dy_raw, x_hat, input_dtype, MODE)
-            mean_gx = tl.sum(g * x_hat, axis=1) / n_cols
+                mean_gx = tl.sum(g * x_hat, axis=1) / n_cols
+            else:
+                # Nothing but the raw h and dy (packed bf16) and the dw accumulator stays live across the
+                # reduction: the weight is loaded again after it, with an explicit .ca (the default caching) that
+                # keeps the compiler from merging the two loads and holding the weight in registers. No spills on 8
+                # or 16 warps at 16384 columns (ptxas, sm_90a), against 144 and 96 bytes with g held across it; on
+                # the H200 at 16384 x 16384, 440 us on 16 warps against 501 (the best tile before, on 8 warps).
+                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+                mean_gx = tl.sum(dy_raw.to(tl.float32) * w_factor[None, :] * h, axis=1) * rstd / n_cols
+                w_factor = _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT, ".ca")
+                x_hat = h * rstd[:, None]
+                g = dy_raw.to(tl.float32) * w_factor[None, :]
             _store_dx(g, x_hat, rstd, mean_gx, d_residual_out_ptr,
                       _row_offsets(rows, rows_inner, dr_stride_outer, dr_stride_inner), dr_stride_col, dx_ptr,
                       rows.to(tl.int64) * n_cols, cols, mask, HAS_D_RESIDUAL)
@@ -283,8 +288,7 @@ def _rms_norm_backward_kernel(
             h_rows = _row_offsets(rows, rows_inner, h_stride_outer, h_stride_inner)
             dr_rows = _row_offsets(rows, rows_inner, dr_stride_outer, dr_stride_inner)
             dx_rows = rows.to(tl.int64) * n_cols
-            # Pass 1: the row statistics sum(h^2) and sum(g * h).
-            sum_sq = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+            # Pass 1: the row statistic sum(g * h); rstd is the forward's.
             sum_gh = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_COLS):
                 cols = start + tl.arange(0, BLOCK_COLS)
@@ -292,10 +296,9 @@ def _rms_norm_backward_kernel(
                 mask = row_mask[:, None] & col_mask[None, :]
                 h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask)
                 g = _load_tile(dy_ptr, dy_rows, cols, dy_stride_col, mask)
-                g = g * _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT)[None, :]
-                sum_sq += h * h
+                g = g * _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT, "")[None, :]
                 sum_gh += g * h
-            rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             mean_gx = tl.sum(sum_gh, axis=1) * rstd / n_cols
             # Pass 2: dx, and this program's share of dw; backwards, starting on the chunks pass 1 read last, the
             # likeliest to be still in L2 (see _chunk_start).
@@ -306,7 +309,7 @@ def _rms_norm_backward_kernel(
                 h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask)
                 dy = _load_tile(dy_ptr, dy_rows, cols, dy_stride_col, mask)
                 x_hat = h * rstd[:, None]
-                g = dy * _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT)[None, :]
+                g = dy * _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT, "")[None, :]
                 dw_term = _dw_term(dy, x_hat, input_dtype, MODE)
                 _store_dx(g, x_hat, rstd, mean_gx, d_residual_out_ptr, dr_rows, dr_stride_col, dx_ptr, dx_rows,
                           cols, mask, HAS_D_RESIDUAL)
