@@ -228,8 +228,10 @@ def _rms_norm_backward_kernel(
             step = 1
         for block in range(first_block, end_block, step):
             if PREFETCH:
+                # Both converted on arrival (see the dw term below); converting h only where it is used instead
+                # changes the PTX of every prefetching tile (Triton 3.6, sm_90a).
                 h_raw = h_next.to(tl.float32)
-                dy_raw = dy_next.to(tl.float32)  # converted on arrival: see the dw term below
+                dy_raw = dy_next.to(tl.float32)
                 h_next = _load_row_block(h_ptr, block + step, rows_inner, h_stride_outer, h_stride_inner,
                                          h_stride_col, cols, col_mask, n_rows, BLOCK_ROWS)
                 dy_next = _load_row_block(dy_ptr, block + step, rows_inner, dy_stride_outer, dy_stride_inner,
