@@ -102,6 +102,53 @@ def test_rms_norm_tuner_keeps_untuned_buckets(monkeypatch):
     assert entries == [entry if entry["max_cols"] != 65536 else {"max_cols": 65536, **tuned} for entry in current]
 
 
+def test_suite_times_providers_in_interleaved_rounds(monkeypatch):
+    """harness.run_benchmark times every provider in ROUNDS rounds that take the providers in turn, and a row
+    keeps its fastest round; a provider failing the correctness gate is not timed (WRONG), and one that raises
+    in a later round is recorded as unsupported without stopping the others."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import harness
+
+    called = []
+
+    def provider(name, scale=1.0, raises_on_call=None):
+        def run(x):
+            called.append(name)
+            if raises_on_call is not None and called.count(name) == raises_on_call:
+                raise RuntimeError(f"{name} cannot run this")
+            return x * 2 * scale
+        return run
+
+    # Each provider's call is counted once by the gate (fwd), then once per round by the fake median below.
+    providers = {harness.OURS: provider(harness.OURS), "peer": provider("peer"), "wrong": provider("wrong", 1.5),
+                 "flaky": provider("flaky", raises_on_call=3)}
+    bench = harness.OpBenchmark(
+        op="double", cases=[harness.Case({"n": 8}, torch.float32)], providers=providers,
+        make_inputs=lambda case, device: {"x": torch.randn(case.shape["n"], device=device, requires_grad=True)},
+        reference=lambda x: x * 2, output_names=("y",), bytes_moved=lambda case, mode: 64)
+    monkeypatch.setattr(harness, "MODES", ("fwd",))
+    scripted = {harness.OURS: [3.0, 1.0, 2.0], "peer": [2.5, 4.0, 2.0], "flaky": [1.0]}
+    rounds = []
+
+    def fake_median_ms(fn, on_gpu, grad_to_none=(), rep_ms=harness.REP_MS):
+        fn()
+        name = called[-1]
+        rounds.append(name)
+        assert rep_ms == harness.REP_MS / harness.ROUNDS
+        return scripted[name].pop(0)
+
+    monkeypatch.setattr(harness, "median_ms", fake_median_ms)
+    env = harness.Env(device=torch.device("cpu"), ours=None, quick=True)
+    rows = {row.provider: row for row in harness.run_benchmark(bench, env, copy_gbps=1.0, gemm_tflops=1.0,
+                                                               only_providers=None)}
+    assert harness.ROUNDS == 3
+    assert rounds == [harness.OURS, "peer", "flaky", harness.OURS, "peer", harness.OURS, "peer"]
+    assert rows[harness.OURS].ms == 1.0 and rows["peer"].ms == 2.0
+    assert rows[harness.OURS].ratio_vs_best_peer == 0.5
+    assert rows["wrong"].status == "WRONG" and rows["wrong"].ms is None
+    assert rows["flaky"].status == "unsupported" and "cannot run this" in rows["flaky"].note
+
+
 @pytest.mark.skipif(ON_GPU, reason="an offline tool for machines without a GPU (there, compiled kernels report "
                                    "their registers themselves)")
 def test_register_report_compiles_offline():
