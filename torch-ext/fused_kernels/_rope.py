@@ -132,7 +132,7 @@ def _torch_rope(q, k, q_out, k_out, cos, sin, position_ids, rotary_dim, interlea
 def _rotate_into(q, k, q_out, k_out, cos, sin, position_ids, heads_dim, interleaved, inverse):
     """Rotate q and k into q_out and k_out (the same tensors for in place, which is how both implementations know
     to leave the tail); inputs already validated."""
-    batch, seq = q.shape[0], q.shape[3 - heads_dim]
+    batch, seq = _logical_shape(q, heads_dim)[:2]
     if batch * seq == 0:
         return
     rotary_dim = cos.shape[-1]
