@@ -3,8 +3,9 @@
 Per head dim (64, 128, 256; rows ``max_cols`` of the table are head dims), on b=4, s=4096, 2048 / head_dim
 heads, causal, bf16 (the shape class of h200-baselines.md): the forward's tile is the candidate with the fastest
 forward; then the backward's two passes by coordinate descent: the dK/dV tile with the dQ tile fixed at the
-current table's, then the dQ tile with the best dK/dV one. Candidates that do not fit (shared memory, registers)
-fail to launch and are skipped. The result is data: the package reads it at run time and never autotunes.
+current table's, then the dQ tile with the best dK/dV one; each pass's tile then with and without ``heavy_first``
+(the order of its programs). Candidates that do not fit (shared memory, registers) fail to launch and are skipped.
+The result is data: the package reads it at run time and never autotunes.
 
     python benchmarks/tune_flash_attn.py --build <variants dir> [--write torch-ext/fused_kernels/configs/flash_attn.json]
                                          [--head-dims 128]
@@ -62,6 +63,16 @@ def fastest(label, timed, block_ms=BLOCK_M, stage_counts=STAGES):
     return best[1]
 
 
+def with_order(label, timed, tile):
+    """``tile``, with ``heavy_first`` if that is faster: the order in which the pass's programs take the tiles
+    (``_tile_of_head`` in kernels_src/flash_attn.py), timed on the chosen tile (the tuning shape is causal, where
+    the order matters)."""
+    heavy = {**tile, "heavy_first": True}
+    natural_ms, heavy_ms = timed(tile), timed(heavy)
+    print(f"{label} order: natural {natural_ms * 1e3:.1f} us, heavy first {heavy_ms * 1e3:.1f} us", flush=True)
+    return heavy if heavy_ms < natural_ms else tile
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", type=Path, required=True, help="directory of built variants")
@@ -90,7 +101,7 @@ def main():
             run()
             return do_bench(run, warmup=10, rep=50)
 
-        forward_tile = fastest(f"d={head_dim} forward", forward)
+        forward_tile = with_order(f"d={head_dim} forward", forward, fastest(f"d={head_dim} forward", forward))
         attn.flash_attn_forward(q, k, v, out, lse, None, seed, *common, tile=forward_tile)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
@@ -104,9 +115,11 @@ def main():
 
         row = None if head_dim == HEAD_DIMS[-1] else head_dim
         current = {key: value for key, value in tuned["backward_dq"][row].items() if key != "max_cols"}
-        dkdv_tile = fastest(f"d={head_dim} backward dK/dV", lambda tile: backward(tile, current), DKDV_BLOCK_M,
-                            DKDV_STAGES)
-        dq_tile = fastest(f"d={head_dim} backward dQ", lambda tile: backward(dkdv_tile, tile))
+        dkdv_timed = lambda tile: backward(tile, current)  # noqa: E731
+        dkdv_tile = with_order(f"d={head_dim} backward dK/dV", dkdv_timed,
+                               fastest(f"d={head_dim} backward dK/dV", dkdv_timed, DKDV_BLOCK_M, DKDV_STAGES))
+        dq_timed = lambda tile: backward(dkdv_tile, tile)  # noqa: E731
+        dq_tile = with_order(f"d={head_dim} backward dQ", dq_timed, fastest(f"d={head_dim} backward dQ", dq_timed))
         for kernel, tile in (("forward", forward_tile), ("backward_dkdv", dkdv_tile), ("backward_dq", dq_tile)):
             tuned[kernel][row] = {"max_cols": row, **tile}
     write_device_entries(args.write, device_name, {

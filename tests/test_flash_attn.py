@@ -424,15 +424,20 @@ def test_realistic_shapes(fk, dim, causal, kv_heads):
     run_and_check(fk, q, k, v, causal=causal)
 
 
-def test_flat_grid_matches_the_two_axis_grid(fk, monkeypatch):
-    """The one-axis launch grid that more (batch, head) pairs than a grid axis holds switch to, forced here by a
-    limit of 1 pair: bitwise the results of the (tiles, pairs) grid, for every pass (forward, delta, dK/dV, dQ and
-    the dropout mask), dense with GQA and varlen."""
+@pytest.mark.parametrize("grid_limit, pairs_per_group", [(1, 0), (None, 3), (1, 3)],
+                         ids=["flat-natural", "two-axis-heavy-first", "flat-heavy-first"])
+def test_grids_and_program_orders_match_the_natural_order(fk, monkeypatch, grid_limit, pairs_per_group):
+    """Bitwise the results of the (tiles, pairs) grid in the natural program order, for every pass (forward, delta,
+    dK/dV, dQ and the dropout mask), dense with GQA and varlen: with the one-axis grid that more (batch, head) pairs
+    than a grid axis holds switch to (forced by a limit of 1 pair) and with the tiles taken heaviest first in
+    groups of 3 pairs (8 query-head pairs and 4 kv pairs dense, 12 varlen: full and partial last groups). A tile
+    mapped to no program, or to two, leaves poisoned or doubly written rows and fails it."""
     torch.manual_seed(16)
     q, k, v = make_qkv(2, 21, 21, 4, 2, 16, torch.float16)
     lengths = [9, 0, 12]
     vq, vk, vv, cu, _ = _varlen_case(lengths, lengths, 4, 2, 16, torch.float16)
     dout, vdout = torch.randn_like(q), torch.randn_like(vq)
+    kernels_module = fk._kernels.flash_attn
 
     def run_all():
         a = leaves(q, k, v)
@@ -444,13 +449,16 @@ def test_flat_grid_matches_the_two_axis_grid(fk, monkeypatch):
         vout.backward(vdout)
         return [out, lse, keep, *[t.grad for t in a], vout, vlse, *[t.grad for t in va]]
 
+    monkeypatch.setattr(kernels_module, "_pairs_per_group", lambda tile, window, partner_bytes: 0)
     torch.manual_seed(17)
-    two_axis = run_all()
-    monkeypatch.setattr(fk._kernels.flash_attn, "_GRID_AXIS_LIMIT", 1)
+    natural = run_all()
+    monkeypatch.setattr(kernels_module, "_pairs_per_group", lambda tile, window, partner_bytes: pairs_per_group)
+    if grid_limit is not None:
+        monkeypatch.setattr(kernels_module, "_GRID_AXIS_LIMIT", grid_limit)
     torch.manual_seed(17)
-    flat = run_all()
-    for index, (expected, got) in enumerate(zip(two_axis, flat)):
-        assert torch.equal(expected, got), f"result {index} differs with the flat grid"
+    other = run_all()
+    for index, (expected, got) in enumerate(zip(natural, other)):
+        assert torch.equal(expected, got), f"result {index} differs from the natural order on the two-axis grid"
 
 
 @pytest.mark.usefixtures("tile_loop_form")
