@@ -147,21 +147,31 @@ def _is_edge(tile_start, full_lo, full_hi, ONE_LOOP: tl.constexpr):
 
 
 @triton.jit
-def _tile_of_head(seqlen, pairs_per_group, BLOCK: tl.constexpr, FLAT_GRID: tl.constexpr, HEAVY_LAST: tl.constexpr):
+def _tile_of_head(seqlen, pairs_per_group, BLOCK: tl.constexpr, FLAT_GRID: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+                  HEAVY_LAST: tl.constexpr):
     """(first row, or column, of this program's tile; its batch * n_heads + head index).
 
     The launch grid is (tiles, pairs), or with FLAT_GRID one axis of cdiv(seqlen, BLOCK) tiles per pair; either
-    way the hardware starts programs in the order of their linear index, which this maps to work.
-    ``pairs_per_group`` 0: the natural order, a pair's tiles in order, one pair after another. Otherwise heaviest
-    tile first: the pairs go in groups of ``pairs_per_group``; within a group the tiles go from the heaviest
-    (HEAVY_LAST: the last tile of a pair, as a causal forward's last query tile; else the first), the group's pairs
-    varying fastest. Causal tiles of one pair differ in work up to seqlen / BLOCK times, and in the natural order
-    the kernel ends on the heavy tiles of its last pairs: a tail that a simulation of 132 SMs puts at 3-4% at 4k
-    tokens. Small groups keep the programs that run at once on the partner tiles of a few pairs, in L2 (the
-    launcher sizes them); which passes gain is measured per head dim (the launch table's ``heavy_first``).
+    way the hardware starts programs in the order of their linear index, which this maps to work. The natural
+    order: a pair's tiles in order, one pair after another. HEAVY_FIRST: the pairs go in groups of
+    ``pairs_per_group``; within a group the tiles go from the heaviest (HEAVY_LAST: the last tile of a pair, as a
+    causal forward's last query tile; else the first), the group's pairs varying fastest. Causal tiles of one pair
+    differ in work up to seqlen / BLOCK times, and in the natural order the kernel ends on the heavy tiles of its
+    last pairs: a tail that a simulation of 132 SMs puts at 3-4% at 4k tokens. Small groups keep the programs that
+    run at once on the partner tiles of a few pairs, in L2 (the launcher sizes them). It is a compile-time switch
+    because its index arithmetic costs registers: 2 more in the head-dim-64 forward took it past the 128 that let
+    two programs share an SM, 27% slower on the H200; which passes gain is measured per head dim (the launch
+    table's ``heavy_first``).
 
     The flat grid serves only more (batch, head) pairs than a second grid axis holds (a packed batch of thousands
-    of sequences)."""
+    of sequences): on the H200 it measured 25% slower in the head-dim-64 forward and 9% in its dQ pass than the 2-D
+    grid (level at head dim 128)."""
+    if not HEAVY_FIRST:
+        if FLAT_GRID:
+            n_tiles = tl.cdiv(seqlen, BLOCK)
+            pid = tl.program_id(0)
+            return (pid % n_tiles) * BLOCK, pid // n_tiles
+        return tl.program_id(0) * BLOCK, tl.program_id(1)
     n_tiles = tl.cdiv(seqlen, BLOCK)
     if FLAT_GRID:
         program = tl.program_id(0)
@@ -169,14 +179,13 @@ def _tile_of_head(seqlen, pairs_per_group, BLOCK: tl.constexpr, FLAT_GRID: tl.co
     else:
         program = tl.program_id(1) * n_tiles + tl.program_id(0)
         n_pairs = tl.num_programs(1)
-    group_size = tl.maximum(pairs_per_group, 1)
-    group = program // (group_size * n_tiles)
-    in_group = program - group * (group_size * n_tiles)
-    pairs_in_group = tl.minimum(group_size, n_pairs - group * group_size)
+    group = program // (pairs_per_group * n_tiles)
+    in_group = program - group * (pairs_per_group * n_tiles)
+    pairs_in_group = tl.minimum(pairs_per_group, n_pairs - group * pairs_per_group)
     tile = in_group // pairs_in_group
     if HEAVY_LAST:
-        tile = tl.where(pairs_per_group > 0, n_tiles - 1 - tile, tile)
-    return tl.multiple_of(tile * BLOCK, BLOCK), group * group_size + in_group % pairs_in_group
+        tile = n_tiles - 1 - tile
+    return tl.multiple_of(tile * BLOCK, BLOCK), group * pairs_per_group + in_group % pairs_in_group
 
 
 @triton.jit
@@ -235,7 +244,7 @@ def _fwd_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MAX_ON_QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    FLAT_GRID: tl.constexpr, ONE_LOOP: tl.constexpr,
+    FLAT_GRID: tl.constexpr, ONE_LOOP: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
     """Output rows and lse of a query tile over its visible key tiles.
 
@@ -244,7 +253,7 @@ def _fwd_kernel(
     edge tiles. One loop compiles the tile body once and needs fewer registers (offline, sm_90a: the head-dim-128
     dK/dV pass spills 0 bytes instead of 160); which form is faster depends on the pass and head dim, so the launch
     table chooses (``one_loop``)."""
-    row_start, batch_head = _tile_of_head(fixed_seqlen_q, pairs_per_group, BLOCK_M, FLAT_GRID, True)
+    row_start, batch_head = _tile_of_head(fixed_seqlen_q, pairs_per_group, BLOCK_M, FLAT_GRID, HEAVY_FIRST, True)
     batch = batch_head // n_heads
     head = batch_head % n_heads
     kv_head = head // group_size
@@ -382,9 +391,9 @@ def _bwd_dkdv_kernel(
     stride_lb, stride_lh,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT_GRID: tl.constexpr,
-    ONE_LOOP: tl.constexpr,
+    ONE_LOOP: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
-    col_start, batch_kv_head = _tile_of_head(fixed_seqlen_k, pairs_per_group, BLOCK_N, FLAT_GRID, False)
+    col_start, batch_kv_head = _tile_of_head(fixed_seqlen_k, pairs_per_group, BLOCK_N, FLAT_GRID, HEAVY_FIRST, False)
     batch = batch_kv_head // n_kv_heads
     kv_head = batch_kv_head % n_kv_heads
     q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
@@ -434,13 +443,13 @@ def _bwd_dq_kernel(
     stride_lb, stride_lh,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT_GRID: tl.constexpr,
-    ONE_LOOP: tl.constexpr,
+    ONE_LOOP: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
     """dQ of a query tile over its visible key tiles, and the tile's delta = rowsum(dO * O) for the dK/dV pass
     (stored before the loop; a separate pass for it took 76 us of the 4.0 ms backward at B4 H32 S4096 d128).
     With a sink, also each row's term -P_sink * dO.O of d(sink), with dO.O taken exactly as the row's sum of
     P * dP over the keys (fp32) rather than from the stored, rounded O."""
-    row_start, batch_head = _tile_of_head(fixed_seqlen_q, pairs_per_group, BLOCK_M, FLAT_GRID, True)
+    row_start, batch_head = _tile_of_head(fixed_seqlen_q, pairs_per_group, BLOCK_M, FLAT_GRID, HEAVY_FIRST, True)
     batch = batch_head // n_heads
     head = batch_head % n_heads
     kv_head = head // group_size
@@ -492,7 +501,7 @@ def _dropout_mask_kernel(mask_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, fixed_seq
                          IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          FLAT_GRID: tl.constexpr):
     """The keep mask as a (batch, heads, max_seqlen_q, max_seqlen_k) bool tensor (for return_attn_probs)."""
-    row_start, batch_head = _tile_of_head(max_seqlen_q, 0, BLOCK_M, FLAT_GRID, False)
+    row_start, batch_head = _tile_of_head(max_seqlen_q, 1, BLOCK_M, FLAT_GRID, False, False)
     batch = batch_head // n_heads
     _, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
     _, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
@@ -526,8 +535,7 @@ def _pairs_per_group(tile: dict, window: tuple[int, int], partner_bytes: int) ->
     """``_tile_of_head``'s order for a pass: 0 (natural) unless its launch entry asks for ``heavy_first`` and the
     tiles differ in work (a causal mask, ``right`` 0); then as many pairs as keep the partner tiles they stream
     (``partner_bytes`` per pair) within 16 MB, a third of the H200's L2, and at most 16 (enough to end the
-    simulated tail at 1k tokens). On the H200 grouping more pairs made full attention, which has no tail to
-    shorten, 3% slower."""
+    simulated tail at 1k tokens). Without a causal mask every tile does the same work: no tail to shorten."""
     if not tile.get("heavy_first", False) or window[1] != 0:
         return 0
     return max(1, min(16, (16 << 20) // max(partner_bytes, 1)))
@@ -568,18 +576,19 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     threshold, keep_scale = _dropout_args(dropout_p)
     block_m, block_n = tile["block_m"], tile["block_n"]
-    kv_bytes = 2 * seqlen_k * head_dim * k.element_size()  # one kv head's K and V, streamed by each query tile
+    # Each query tile streams the K and V of its kv head.
+    pairs_per_group = _pairs_per_group(tile, window, 2 * seqlen_k * head_dim * k.element_size())
     grid, flat = _tile_grid(cdiv(seqlen_q, block_m), n_batch * n_heads)
     launch(
         _fwd_kernel, grid,
         (q, k, v, out, lse, sink if sink is not None else lse, cu_seqlens_q if varlen else lse,
          cu_seqlens_k if varlen else lse, seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim,
-         _pairs_per_group(tile, window, kv_bytes), scale, softcap, window[0], window[1], seed, threshold, keep_scale,
+         pairs_per_group, scale, softcap, window[0], window[1], seed, threshold, keep_scale,
          *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(out, varlen),
          *_lse_strides(lse, varlen)),
         dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_SINK=sink is not None, HAS_DROPOUT=dropout_p > 0,
              MAX_ON_QK=softcap <= 0 and scale > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim),
-             FLAT_GRID=flat, ONE_LOOP=tile.get("one_loop", False)),
+             FLAT_GRID=flat, ONE_LOOP=tile.get("one_loop", False), HEAVY_FIRST=pairs_per_group > 0),
         tile["num_warps"], tile.get("num_stages"))
 
 
@@ -597,8 +606,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     group_size = n_heads // n_kv_heads
     block_d = _block_d(head_dim)
     # What one program streams: a kv head's K and V (dQ pass), or the Q and dO of a kv head's group (dK/dV pass).
-    kv_bytes = 2 * seqlen_k * head_dim * k.element_size()
-    group_q_bytes = 2 * seqlen_q * head_dim * q.element_size() * group_size
+    dq_pairs_per_group = _pairs_per_group(dq_tile, window, 2 * seqlen_k * head_dim * k.element_size())
+    dkdv_pairs_per_group = _pairs_per_group(dkdv_tile, window, 2 * seqlen_q * head_dim * q.element_size() * group_size)
     threshold, keep_scale = _dropout_args(dropout_p)
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
     lse_strides = _lse_strides(lse, varlen)
@@ -609,20 +618,21 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
         _bwd_dq_kernel, grid,
         (q, k, v, out, dout, lse, delta, dq, sink if sink is not None else lse,
          dsink_rows if dsink_rows is not None else lse, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, group_size,
-         head_dim, _pairs_per_group(dq_tile, window, kv_bytes), *shared, *_strides3(q, varlen), *_strides3(k, varlen),
+         head_dim, dq_pairs_per_group, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
          *_strides3(v, varlen), *_strides3(out, varlen), *_strides3(dout, varlen), *_strides3(dq, varlen),
          *lse_strides),
         dict(**flags, HAS_SINK=sink is not None, BLOCK_M=dq_tile["block_m"], BLOCK_N=dq_tile["block_n"],
-             BLOCK_D=block_d, FLAT_GRID=flat, ONE_LOOP=dq_tile.get("one_loop", False)),
+             BLOCK_D=block_d, FLAT_GRID=flat, ONE_LOOP=dq_tile.get("one_loop", False),
+             HEAVY_FIRST=dq_pairs_per_group > 0),
         dq_tile["num_warps"], dq_tile.get("num_stages"))
     grid, flat = _tile_grid(cdiv(seqlen_k, dkdv_tile["block_n"]), n_batch * n_kv_heads)
     launch(
         _bwd_dkdv_kernel, grid,
         (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_kv_heads, group_size, head_dim,
-         _pairs_per_group(dkdv_tile, window, group_q_bytes), *shared, *_strides3(q, varlen), *_strides3(k, varlen),
+         dkdv_pairs_per_group, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
          *_strides3(v, varlen), *_strides3(dout, varlen), *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides),
         dict(**flags, BLOCK_M=dkdv_tile["block_m"], BLOCK_N=dkdv_tile["block_n"], BLOCK_D=block_d, FLAT_GRID=flat,
-             ONE_LOOP=dkdv_tile.get("one_loop", False)),
+             ONE_LOOP=dkdv_tile.get("one_loop", False), HEAVY_FIRST=dkdv_pairs_per_group > 0),
         dkdv_tile["num_warps"], dkdv_tile.get("num_stages"))
 
 
