@@ -123,6 +123,31 @@ def _grid(n_rows, n_cols, block_rows, block_cols):
     return (cdiv(n_rows, block_rows) * cdiv(n_cols, block_cols),)
 
 
+def _gapless(layout, n_rows, n_cols):
+    """Whether rows of this ``(rows_inner, stride_outer, stride_inner, stride_col)`` layout follow each other in
+    memory without gaps, as in a contiguous tensor."""
+    rows_inner, stride_outer, stride_inner, stride_col = layout
+    return (stride_col == 1 and (rows_inner == 1 or stride_inner == n_cols)
+            and (rows_inner >= n_rows or stride_outer == rows_inner * n_cols))
+
+
+def _one_row_launch(layouts, out_stride_row, n_rows, n_cols, block_rows, block_cols):
+    """(layouts, out_stride_row, n_rows, n_cols, block_rows, block_cols) of the launch.
+
+    Triton knows a row stride is a multiple of 16 elements, or nothing about it: rows of, say, 1000 or 3000
+    elements then move 2 bytes per access. When every tensor is gapless (and so is the output, row stride
+    ``n_cols``), their rows are read as one long row instead, in tiles of as many elements as the launch table's:
+    on the H200, 4096 x 3000 bf16 forward 26.9 -> 18.3 us, backward 38.8 -> 31.1, 4096 x 1000 forward 7.3 -> 4.8.
+    Only when that row's length is a multiple of 16 too (its masked tail tile keeps whole vectors) and its column
+    index fits int32; rows that are multiples of 16 keep their launch (no gain measured in the forward at 11008 or
+    14336 columns, and 7% lost at 16384 x 11008 with 2048-element tiles)."""
+    total = n_rows * n_cols
+    if (n_cols % 16 == 0 or total % 16 or total + block_rows * block_cols >= 2**31 or out_stride_row != n_cols
+            or not all(_gapless(layout, n_rows, n_cols) for layout in layouts)):
+        return layouts, out_stride_row, n_rows, n_cols, block_rows, block_cols
+    return [(1, 0, 0, 1)] * len(layouts), total, 1, total, 1, block_rows * block_cols
+
+
 def gated_forward(gate, gate_layout, up, up_layout, out, out_stride_row, n_rows, n_cols, activation, *,
                   block_rows, block_cols, num_warps):
     """Launch the forward: ``out[r, c] = act(gate[r, c]) * up[r, c]``.
@@ -132,6 +157,8 @@ def gated_forward(gate, gate_layout, up, up_layout, out, out_stride_row, n_rows,
     """
     if gate_layout[0] != up_layout[0]:
         raise ValueError("gate and up must share the row grouping (rows_inner)")
+    (gate_layout, up_layout), out_stride_row, n_rows, n_cols, block_rows, block_cols = _one_row_launch(
+        (gate_layout, up_layout), out_stride_row, n_rows, n_cols, block_rows, block_cols)
     launch(_gated_forward_kernel, _grid(n_rows, n_cols, block_rows, block_cols),
            (gate, up, out, n_rows, n_cols, gate_layout[0], *gate_layout[1:], *up_layout[1:], out_stride_row),
            dict(ACTIVATION=ACTIVATION_IDS[activation], BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols), num_warps)
@@ -143,6 +170,8 @@ def gated_backward(dout, dout_layout, gate, gate_layout, up, up_layout, d_gate, 
     input, the two halves of one gradient tensor)."""
     if not dout_layout[0] == gate_layout[0] == up_layout[0]:
         raise ValueError("dout, gate and up must share the row grouping (rows_inner)")
+    (dout_layout, gate_layout, up_layout), d_stride_row, n_rows, n_cols, block_rows, block_cols = _one_row_launch(
+        (dout_layout, gate_layout, up_layout), d_stride_row, n_rows, n_cols, block_rows, block_cols)
     launch(_gated_backward_kernel, _grid(n_rows, n_cols, block_rows, block_cols),
            (dout, gate, up, d_gate, d_up, n_rows, n_cols, gate_layout[0], *dout_layout[1:], *gate_layout[1:],
             *up_layout[1:], d_stride_row),
