@@ -137,7 +137,7 @@ def _one_row_launch(layouts, out_stride_row, n_rows, n_cols, block_rows, block_c
     Triton knows a row stride is a multiple of 16 elements, or nothing about it: rows of, say, 1000 or 3000
     elements then move 2 bytes per access. When every tensor is gapless (and so is the output, row stride
     ``n_cols``), their rows are read as one long row instead, in tiles of as many elements as the launch table's:
-    on the H200, 4096 x 3000 bf16 forward 26.9 -> 18.3 us, backward 38.8 -> 31.1, 4096 x 1000 forward 7.3 -> 4.8.
+    on the H200, 4096 x 3000 bf16 forward 26.9 -> 18.9 us, backward 38.8 -> 31.1, 4096 x 1000 forward 7.6 -> 4.9.
     Only when that row's length is a multiple of 16 too (its masked tail tile keeps whole vectors) and its column
     index fits int32; rows that are multiples of 16 keep their launch (no gain measured in the forward at 11008 or
     14336 columns, and 7% lost at 16384 x 11008 with 2048-element tiles)."""
