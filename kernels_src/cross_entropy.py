@@ -309,8 +309,8 @@ def _row_alignment(logits, dlogits, n_cols):
     strides and length multiples of 16 elements), else the elements per 16 bytes when the rows can be split into
     edges and a 16-byte aligned body (unit column stride, 16-byte aligned data, and the gradient's rows as far from
     a boundary as the logits' rows). Otherwise 1: the kernel then moves 2 or 4 bytes per access, as Triton does
-    for rows it cannot prove aligned; on the H200 that made 8192 x 50257 (GPT-2's vocabulary) 24% slower than
-    8192 x 50304."""
+    for rows it cannot prove aligned (H200, loss and gradient, 8192 x 50257 bf16, GPT-2's vocabulary: 975 us that
+    way, 693 split, 673 at 50304)."""
     strides = [logits.stride(0)] + ([dlogits.stride(0)] if dlogits is not None else [])
     if n_cols % 16 == 0 and all(stride % 16 == 0 for stride in strides):
         return 1
