@@ -10,6 +10,9 @@ EPS = 1e-6
 ROW_COUNTS = (1024, 4096, 16384, 65536)
 HIDDEN_SIZES = (1024, 2048, 4096, 8192, 16384)
 LARGE_ROW_HIDDEN_SIZES = (65536, 131072)  # at T=4096; peers that cannot run rows this long are recorded as such
+# At T=16384: rows that start off 16-byte boundaries (bf16 rows of 4095 elements) or on them without a stride that
+# Triton can tell is a multiple of 16 elements (5000).
+ODD_HIDDEN_SIZES = (4095, 5000)
 FUSED_ADD_SHAPE = {"T": 16384, "H": 4096}
 QUICK_SHAPES = ({"T": 128, "H": 256}, {"T": 128, "H": 1000})  # 1000: a row length that is not a power of two
 
@@ -76,7 +79,8 @@ def norm_cases(quick: bool) -> list[Case]:
     if quick:
         return [Case(shape) for shape in QUICK_SHAPES]
     grid = [Case({"T": rows, "H": hidden}) for rows in ROW_COUNTS for hidden in HIDDEN_SIZES]
-    return grid + [Case({"T": 4096, "H": hidden}) for hidden in LARGE_ROW_HIDDEN_SIZES]
+    return (grid + [Case({"T": 4096, "H": hidden}) for hidden in LARGE_ROW_HIDDEN_SIZES]
+            + [Case({"T": 16384, "H": hidden}) for hidden in ODD_HIDDEN_SIZES])
 
 
 def benchmarks(env: Env) -> list[OpBenchmark]:
