@@ -16,14 +16,15 @@ with rstd = 1 / sqrt(mean(x**2) + eps).
 Rows longer than one block (``SINGLE_PASS`` false) are processed in column chunks: a first pass gathers the
 row statistics, a second pass produces the outputs (the re-read mostly hits L2).
 
-Rows that start off 16-byte boundaries. Triton proves a row's start aligned only from strides that are multiples
-of 16 elements; otherwise it moves 2 or 4 bytes per access (H200, forward 16384 x 4095 bf16: 102.8 us against 70.1
-at 4096; 16384 x 5000: 188.1 against 89.9 at 5008). With ``ALIGN`` > 1 (elements per 16 bytes) and ``PHASES`` 1,
-every row offset is a multiple of ``ALIGN`` (the host checked) and the kernel says so. With ``PHASES`` > 1 the rows
-are contiguous and a row's distance from the previous boundary repeats every ``PHASES`` rows: a tile then takes
-``BLOCK_ROWS`` rows ``PHASES`` apart, all at the same distance, and splits them into a "body" of whole 16-byte
-vectors from the first boundary on (``_row_split``), which the blocks stream as before, and an edge tile of the few
-columns before and after it (``_edge_columns``). The body's weight is read unaligned, once per tile.
+Rows that start off 16-byte boundaries. Triton proves a row's start aligned only from strides that are multiples of 16
+elements; otherwise it moves 2 or 4 bytes per access (H200, forward 16384 x 4095 bf16: 102.8 us against 70.1 at 4096;
+16384 x 5000: 188.1 against 89.9 at 5008). With ``ALIGN`` > 1 (elements per 16 bytes) and ``PHASES`` 1, every row offset
+is a multiple of ``ALIGN`` (the host checked), which the kernel shows the compiler (``_at_body``; an offset that is not
+would be read rounded down, so the host's check is what keeps it correct). With ``PHASES`` > 1 the rows start as far
+from a boundary as contiguous rows of ``n_cols`` would, a distance that repeats every ``PHASES`` rows: a tile then takes
+``BLOCK_ROWS`` rows ``PHASES`` apart, all at the same distance, and splits them into a "body" of whole 16-byte vectors
+from the first boundary on (``_row_split``), which the blocks stream as before, and an edge tile of the few columns
+before and after it (``_edge_columns``). The body's weight is read unaligned, once per tile.
 
 Backward. With g = dy * w (LLAMA, PLAIN), dy * (1 + w) (GEMMA) or dy (no weight), and x_hat = x * rstd:
   dx = rstd * (g - x_hat * mean(g * x_hat))
@@ -71,9 +72,10 @@ def _row_split(phase, n_cols, ALIGN: tl.constexpr, PHASES: tl.constexpr):
     """(head, body): a tile's rows are streamed over columns ``[head, head + body)``, from the rows' first 16-byte
     boundary in whole 16-byte vectors when ``PHASES`` > 1 (the other columns are the edge tile's), else whole."""
     if PHASES > 1:
+        # The head reaches the boundary even when the row ends before it (the body is then empty), so that the
+        # body's offsets stay multiples of ALIGN (see _at_body).
         head = (ALIGN - (phase * n_cols) % ALIGN) % ALIGN
-        # At the boundary even when the row ends before it (the body is then empty): the hints stay true.
-        body = tl.multiple_of((tl.maximum(n_cols - head, 0) // ALIGN) * ALIGN, ALIGN)
+        body = (tl.maximum(n_cols - head, 0) // ALIGN) * ALIGN
     else:
         head = 0
         body = n_cols
