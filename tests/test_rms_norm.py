@@ -210,7 +210,7 @@ def test_empty_batch(fk):
     assert torch.equal(weight.grad, torch.zeros_like(weight))
 
 
-@pytest.mark.parametrize("n_cols", [1024, 1000, 997], ids=["aligned", "aligned-unproven", "split"])
+@pytest.mark.parametrize("n_cols", [1024, 1000, 997], ids=["aligned", "aligned-unproven", "off-boundaries"])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("tile", [(2, 1024), (1, 16384), (2, 8192)],
                          ids=["prefetching", "widest-tile-without-prefetch", "row-pairs-without-prefetch"])
@@ -219,7 +219,7 @@ def test_both_whole_row_backward_schedules(fk, monkeypatch, tile, with_residual,
     row blocks, statistics recomputed) and loads plainly above (contiguous row blocks, the forward's rstd); both
     schedules give the reference gradients, whatever the device's launch table picks, also with a padded last
     row block (37 rows in pairs), for rows Triton proves 16-byte aligned, rows aligned by their length alone
-    (1000 bf16) and rows split into body and edges (997)."""
+    (1000 bf16) and rows off 16-byte boundaries (997)."""
     module = importlib.import_module(fk.__name__ + ".rms_norm")
     prefetches = tile[0] * tile[1] <= module._triton_rms_norm.PREFETCH_MAX_TILE
     assert prefetches == (tile == (2, 1024))
@@ -237,51 +237,43 @@ def test_both_whole_row_backward_schedules(fk, monkeypatch, tile, with_residual,
     check_against_references(fk, (37, n_cols), torch.bfloat16, "llama", True, with_residual)
 
 
-def _alignment_plan(fk, tensors, n_cols, split=True):
-    """The kernels' (ALIGN, PHASES) for these inputs and a contiguous output like the first."""
+def _alignment_plan(fk, x):
+    """The kernels' ALIGN for rows of ``x`` (see "Row alignment" in kernels_src/rms_norm.py)."""
     kernels = importlib.import_module(fk.__name__ + "._kernels.rms_norm")
     layout_module = importlib.import_module(fk.__name__ + "._layout")
-    tensors, layouts = layout_module.shared_row_layouts(*tensors)
-    rows_inner, n_rows = layouts[0][0], tensors[0].numel() // n_cols
-    output = torch.empty(tensors[0].shape, device=tensors[0].device, dtype=tensors[0].dtype)
-    return kernels._row_alignment(tensors + [output], layouts + [(rows_inner, rows_inner * n_cols, n_cols, 1)],
-                                  n_rows, n_cols, split)
+    (x,), layouts = layout_module.shared_row_layouts(x)
+    return kernels._row_alignment(x.element_size(), layouts, x.numel() // x.shape[-1], x.shape[-1])
 
 
 def test_alignment_plans(fk):
-    """Which rows the kernels declare 16-byte aligned, split into body and edges, or leave to Triton."""
-    def plan(shape, dtype=torch.bfloat16, transform=None, split=True):
+    """Which rows the kernels show the compiler to be 16-byte aligned (ALIGN > 1): those whose length and row
+    strides are multiples of 16 bytes but not all of 16 elements, whatever the strides that no row uses."""
+    def plan(shape, dtype=torch.bfloat16, transform=None):
         x = torch.randn(shape, device=DEVICE, dtype=dtype)
-        return _alignment_plan(fk, [transform(x) if transform else x], shape[-1], split)
+        return _alignment_plan(fk, transform(x) if transform else x)
 
-    assert plan((37, 4096)) == (1, 1)  # Triton proves it
-    assert plan((37, 5000)) == (8, 1)  # 10000-byte rows: aligned, which Triton cannot tell
-    assert plan((37, 4095)) == (8, 8) and plan((37, 4094)) == (8, 4) and plan((37, 4092)) == (8, 2)
-    assert plan((37, 4095), torch.float32) == (4, 4) and plan((37, 4094), torch.float32) == (4, 2)
-    assert plan((37, 4095), split=False) == (1, 1)  # the chunked backward takes no edge tile
-    assert plan((1, 4095)) == (8, 8) and plan((1, 4088)) == (8, 1)  # one row: where its end falls still counts
-    # A tensor's rows as far from a boundary as a contiguous tensor's, through both stride groups...
-    assert plan((9, 9, 13), transform=LAYOUTS["transposed_leading"]) == (8, 8)
-    # ...or not: then nothing is declared.
-    assert plan((9, 8, 13), transform=LAYOUTS["transposed_leading"]) == (1, 1)
-    assert plan((37, 4095), transform=LAYOUTS["row_slice_of_wider"]) == (1, 1)
-    assert plan((37, 4096), transform=LAYOUTS["column_stride_2"]) == (1, 1)
-    x = torch.randn(37, 4095, device=DEVICE, dtype=torch.bfloat16)
-    assert _alignment_plan(fk, [x, x.float()], 4095) == (1, 1)  # mixed element sizes
+    assert plan((37, 4096)) == 1  # Triton proves it
+    assert plan((37, 5000)) == 8 and plan((37, 5000), torch.float32) == 4 and plan((37, 5002), torch.float32) == 1
+    assert plan((37, 4095)) == 1  # rows off boundaries: nothing to declare
+    assert plan((3, 5, 1000), transform=LAYOUTS["transposed_leading"]) == 8  # both stride groups
+    assert plan((37, 1000), transform=LAYOUTS["row_slice_of_wider"]) == 8  # row stride 2000
+    assert plan((37, 1000), transform=lambda t: torch.cat([t, t[:, :4]], dim=-1)[:, :1000]) == 1  # row stride 1004
+    # One row: its stride is used by no row and does not count.
+    assert plan((1, 1000), transform=lambda t: torch.cat([t, t[:, :1]], dim=-1)[:, :1000]) == 8
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape, transform", [
-    ((37, 13), None), ((37, 20), None), ((37, 24), None), ((3, 7, 700), None), ((37, 3), None),
-    ((9, 9, 13), "transposed_leading")], ids=str)
-def test_rows_off_16_byte_boundaries(fk, poisoned_empty, shape, transform, dtype, with_residual):
-    """Rows split into a 16-byte aligned body and edges (13, 3: more phases than columns, 20: two phases in bf16),
-    declared aligned (24 in bf16, 20 and 24 in fp32), longer than a block (700 on the CPU's table), and through
-    both stride groups of a transposed view, match the references."""
+    ((37, 24), None), ((37, 40), "row_slice_of_wider"), ((3, 7, 712), None), ((4, 5, 520), "transposed_leading")],
+    ids=str)
+def test_rows_aligned_by_their_length(fk, poisoned_empty, shape, transform, dtype, with_residual):
+    """Rows whose length and strides are multiples of 16 bytes but not all of 16 elements (ALIGN > 1): short,
+    longer than a block (712 on the CPU's table), a slice of wider rows, and through both stride groups of a
+    transposed view."""
     transform = LAYOUTS[transform] if transform else None
     x = torch.empty(shape, device=DEVICE, dtype=dtype)
-    assert _alignment_plan(fk, [transform(x) if transform else x], shape[-1])[0] > 1
+    assert _alignment_plan(fk, transform(x) if transform else x) > 1
     for mode in ("llama", "gemma"):
         check_against_references(fk, shape, dtype, mode, True, with_residual, transform)
 
