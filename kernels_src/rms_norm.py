@@ -372,17 +372,21 @@ def _row_strides(layout):
 
 
 def _row_alignment(element_size, layouts, n_rows, n_cols):
-    """The kernels' ``ALIGN``: the elements per 16 bytes when the row length and every stride that a row of
-    ``layouts`` uses are multiples of it but Triton cannot tell (not all multiples of 16 elements), else 1. A stride
-    that no row uses (the outer one when all rows are in the inner group, the inner one when that group has one row)
-    may be anything: rewriting it changes no offset."""
+    """The kernels' ``ALIGN`` for rows of ``layouts``: 1 when Triton proves every row 16-byte aligned itself (row
+    length and strides multiples of 16 elements), the elements per 16 bytes when the row length and every stride
+    that a row uses are multiples of that (a stride that no row uses, the outer one when all rows are in the inner
+    group or the inner one when that group has one row, may be anything: rewriting it changes no offset), and None
+    when the rows are not all aligned or a column stride is not 1: the kernels then move 2 or 4 bytes per access."""
+    if any(layout[3] != 1 for layout in layouts):
+        return None
     align = 16 // element_size
     strides = [n_cols] + [stride for layout in layouts for stride in layout[1:3]]
-    if align == 1 or all(stride % 16 == 0 for stride in strides) or n_cols % align:
+    if all(stride % 16 == 0 for stride in strides):
         return 1
-    aligned = all((rows_inner == 1 or inner % align == 0) and (rows_inner >= n_rows or outer % align == 0)
-                  for rows_inner, outer, inner, _ in layouts)
-    return align if aligned else 1
+    aligned = n_cols % align == 0 and all(
+        (rows_inner == 1 or inner % align == 0) and (rows_inner >= n_rows or outer % align == 0)
+        for rows_inner, outer, inner, _ in layouts)
+    return align if aligned else None
 
 
 def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual_out, rstd, n_rows, n_cols, eps,
@@ -404,7 +408,7 @@ def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual
          n_rows, n_cols, rows_inner, eps, *_row_strides(x_layout), *r_strides),
         dict(MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
              BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=block_cols >= n_cols,
-             ALIGN=_row_alignment(x.element_size(), layouts, n_rows, n_cols)),
+             ALIGN=_row_alignment(x.element_size(), layouts, n_rows, n_cols) or 1),
         num_warps)
 
 
@@ -419,8 +423,15 @@ def rms_norm_backward(dy, dy_layout, h, h_layout, rstd, weight, d_residual_out, 
     rows_inner = h_layout[0]
     if dy_layout[0] != rows_inner or (d_residual_out is not None and d_residual_layout[0] != rows_inner):
         raise ValueError("dy, h and d_residual_out must share the row grouping (rows_inner)")
+    single_pass = block_cols >= n_cols
+    align = _row_alignment(h.element_size(), [dy_layout, h_layout] + (
+        [d_residual_layout] if d_residual_out is not None else []), n_rows, n_cols)
+    if align is None and not single_pass:
+        # Chunks of several rows accessed 2 bytes at a time need a 64-bit address per element: ptxas then gave the
+        # H200 table's 4 x 8192 and 8 x 4096 tiles 32 registers and 3.5-8.7 KB of spills per thread (16384 x 24584
+        # bf16: 16.6 ms, against 1.10 with 16-byte accesses); one row per tile spills nothing.
+        block_rows = 1
     num_programs = max(1, min(num_programs, cdiv(n_rows, block_rows)))
-    layouts = [dy_layout, h_layout] + ([d_residual_layout] if d_residual_out is not None else [])
     dw_partial = torch.empty((num_programs, n_cols), device=h.device, dtype=torch.float32) if dw is not None else h
     dr_strides = _row_strides(d_residual_layout) if d_residual_out is not None else (0, 0, 0)
     launch(
@@ -430,9 +441,8 @@ def rms_norm_backward(dy, dy_layout, h, h_layout, rstd, weight, d_residual_out, 
          *_row_strides(dy_layout), *_row_strides(h_layout), *dr_strides),
         dict(MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, COMPUTE_DW=dw is not None,
              HAS_D_RESIDUAL=d_residual_out is not None,
-             BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=block_cols >= n_cols,
-             PREFETCH=block_cols >= n_cols and block_rows * block_cols <= PREFETCH_MAX_TILE,
-             ALIGN=_row_alignment(h.element_size(), layouts, n_rows, n_cols)),
+             BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=single_pass,
+             PREFETCH=single_pass and block_rows * block_cols <= PREFETCH_MAX_TILE, ALIGN=align or 1),
         num_warps)
     if dw is not None:
         # Narrow strips and tall tiles: enough programs, and enough bytes in flight per program, that summing

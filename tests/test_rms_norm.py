@@ -246,18 +246,19 @@ def _alignment_plan(fk, x):
 
 
 def test_alignment_plans(fk):
-    """Which rows the kernels show the compiler to be 16-byte aligned (ALIGN > 1): those whose length and row
-    strides are multiples of 16 bytes but not all of 16 elements, whatever the strides that no row uses."""
+    """Which rows the kernels show the compiler to be 16-byte aligned (ALIGN > 1: length and row strides multiples
+    of 16 bytes but not all of 16 elements, whatever the strides that no row uses), leave to Triton (1), or know to
+    be accessed 2 or 4 bytes at a time (None)."""
     def plan(shape, dtype=torch.bfloat16, transform=None):
         x = torch.randn(shape, device=DEVICE, dtype=dtype)
         return _alignment_plan(fk, transform(x) if transform else x)
 
     assert plan((37, 4096)) == 1  # Triton proves it
-    assert plan((37, 5000)) == 8 and plan((37, 5000), torch.float32) == 4 and plan((37, 5002), torch.float32) == 1
-    assert plan((37, 4095)) == 1  # rows off boundaries: nothing to declare
+    assert plan((37, 5000)) == 8 and plan((37, 5000), torch.float32) == 4 and plan((37, 5002), torch.float32) is None
+    assert plan((37, 4095)) is None and plan((37, 4096), transform=LAYOUTS["column_stride_2"]) is None
     assert plan((3, 5, 1000), transform=LAYOUTS["transposed_leading"]) == 8  # both stride groups
     assert plan((37, 1000), transform=LAYOUTS["row_slice_of_wider"]) == 8  # row stride 2000
-    assert plan((37, 1000), transform=lambda t: torch.cat([t, t[:, :4]], dim=-1)[:, :1000]) == 1  # row stride 1004
+    assert plan((37, 1000), transform=lambda t: torch.cat([t, t[:, :4]], dim=-1)[:, :1000]) is None  # row stride 1004
     # One row: its stride is used by no row and does not count.
     assert plan((1, 1000), transform=lambda t: torch.cat([t, t[:, :1]], dim=-1)[:, :1000]) == 8
 
