@@ -41,13 +41,13 @@ def main():
     ops_module = sys.modules[f"{fk.__name__}.rms_norm"]
     backward_launch = lambda: fk._kernels.rms_norm.rms_norm_backward(
         dy, layout, x.detach(), layout, rstd, w.detach(), None, None, dx, dw, 8, 1024, 1e-6, "llama", block_rows=1,
-        block_cols=1024, num_warps=4, num_programs=8)
+        block_cols=1024, num_warps=4, num_programs=8, align=1)
     from triton.testing import do_bench
     print(f"backward launch, GPU time {do_bench(backward_launch, return_mode='median') * 1e3:.1f} us")
     cases = {
         "launcher only": lambda: fk._kernels.rms_norm.rms_norm_forward(
             x, layout, w, None, None, y, None, rstd, 8, 1024, 1e-6, "llama", block_rows=1, block_cols=1024,
-            num_warps=4),
+            num_warps=4, align=1),
         "backward launcher only": backward_launch,
         "_triton_backward": lambda: ops_module._triton_backward(dy, None, x.detach(), rstd, w.detach(), 1e-6, "llama",
                                                                 True),

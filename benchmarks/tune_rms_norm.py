@@ -2,10 +2,12 @@
 
 For each row-length bucket (powers of two) it times every candidate launch configuration of the forward
 and the backward kernel on bf16 inputs of about 64M elements (well past the L2 cache) and keeps the fastest.
-The result is data: the package reads it at run time and never autotunes.
+The result is data: the package reads it at run time and never autotunes. ``--unaligned`` tunes the tables for
+rows the kernels access 2 bytes at a time (``forward_unaligned``, ``backward_unaligned``: rows off 16-byte
+boundaries), on rows one element shorter than each bucket.
 
     python benchmarks/tune_rms_norm.py --build <variants dir> [--write torch-ext/fused_kernels/configs/rms_norm.json]
-                                       [--buckets 16384 32768 65536 131072]
+                                       [--buckets 16384 32768 65536 131072] [--unaligned]
 """
 
 import argparse
@@ -21,12 +23,18 @@ BUCKETS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 TARGET_ELEMENTS = 64 * 1024 * 1024
 WARPS = (4, 8, 16, 32)
 PROGRAMS_PER_SM = (1, 2, 3, 4, 8)
+# 2-byte accesses: fewer warps per row won on the H200 (16384 x 4095: forward 99 -> 84 us on 4 warps instead of 16,
+# backward 247 -> 152 on 4 instead of 8), and tiles of more than 64 fp32 elements per thread lost everywhere.
+UNALIGNED_WARPS = (2, 4, 8, 16, 32)
+UNALIGNED_PROGRAMS_PER_SM = (1, 2, 4)
+UNALIGNED_MAX_ELEMENTS_PER_THREAD = 64
 LOOPED_BLOCK_COLS = (4096, 8192)
 MAX_SINGLE_PASS_COLS = 32768
 
 
-def candidate_tiles(n_cols):
-    """(block_rows, block_cols) pairs: whole rows in one tile, or column chunks of a long row."""
+def candidate_tiles(n_cols, unaligned):
+    """(block_rows, block_cols) pairs: whole rows in one tile, or column chunks of a long row (of one row when the
+    rows are accessed 2 bytes at a time: see rms_norm_backward)."""
     whole = triton.next_power_of_2(n_cols)
     tiles = []
     if whole <= MAX_SINGLE_PASS_COLS:
@@ -35,8 +43,8 @@ def candidate_tiles(n_cols):
     # Chunked tiles of several rows share each pass over the program's dw row among them. Up to 32768 elements:
     # the backward's first pass reads the forward's rstd instead of accumulating sum(h^2), so 8 x 4096 and
     # 4 x 8192 fit on 16 warps without spilling (ptxas, sm_90a).
-    tiles += [(rows, cols) for cols in LOOPED_BLOCK_COLS for rows in (1, 2, 4, 8) if cols < whole and
-              rows * cols <= 32768]
+    tiles += [(rows, cols) for cols in LOOPED_BLOCK_COLS for rows in ((1,) if unaligned else (1, 2, 4, 8))
+              if cols < whole and rows * cols <= 32768]
     return tiles
 
 
@@ -44,7 +52,7 @@ def time_ms(fn):
     return do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
-def tune(kernel_module, n_cols, multiprocessors):
+def tune(kernel_module, n_cols, multiprocessors, unaligned):
     n_rows = max(1, TARGET_ELEMENTS // n_cols)
     x = torch.randn(n_rows, n_cols, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n_cols, device="cuda", dtype=torch.bfloat16)
@@ -52,18 +60,22 @@ def tune(kernel_module, n_cols, multiprocessors):
     y, dx, dw = torch.empty_like(x), torch.empty_like(x), torch.empty_like(w)
     rstd = torch.empty(n_rows, device="cuda", dtype=torch.float32)
     layout = (n_rows, 0, n_cols, 1)
+    align = kernel_module.row_alignment(x.element_size(), [layout], n_rows, n_cols)
+    assert (align is None) == unaligned, (n_cols, align)
     best = {"forward": None, "backward": None}
-    for block_rows, block_cols in candidate_tiles(n_cols):
-        for warps in WARPS:
+    for block_rows, block_cols in candidate_tiles(n_cols, unaligned):
+        for warps in UNALIGNED_WARPS if unaligned else WARPS:
+            if unaligned and block_rows * block_cols > UNALIGNED_MAX_ELEMENTS_PER_THREAD * 32 * warps:
+                continue
             tile = dict(block_rows=block_rows, block_cols=block_cols, num_warps=warps)
             fwd = time_ms(lambda: kernel_module.rms_norm_forward(x, layout, w, None, None, y, None, rstd, n_rows,
-                                                                 n_cols, 1e-6, "llama", **tile))
+                                                                 n_cols, 1e-6, "llama", **tile, align=align))
             if best["forward"] is None or fwd < best["forward"][0]:
                 best["forward"] = (fwd, tile)
-            for per_sm in PROGRAMS_PER_SM:
+            for per_sm in UNALIGNED_PROGRAMS_PER_SM if unaligned else PROGRAMS_PER_SM:
                 bwd = time_ms(lambda: kernel_module.rms_norm_backward(
                     dy, layout, x, layout, rstd, w, None, None, dx, dw, n_rows, n_cols, 1e-6, "llama", **tile,
-                    num_programs=per_sm * multiprocessors))
+                    num_programs=per_sm * multiprocessors, align=align))
                 if best["backward"] is None or bwd < best["backward"][0]:
                     best["backward"] = (bwd, {**tile, "programs_per_sm": per_sm})
     return n_rows, best
@@ -86,6 +98,8 @@ def main():
     parser.add_argument("--write", type=Path, help="config file to update (the device's entry only)")
     parser.add_argument("--buckets", type=int, nargs="+", choices=BUCKETS, default=BUCKETS,
                         help="hidden sizes to tune (default: all); the others keep the device's current entries")
+    parser.add_argument("--unaligned", action="store_true",
+                        help="tune the tables for rows off 16-byte boundaries (each bucket less one element)")
     args = parser.parse_args()
 
     import kernels
@@ -94,15 +108,17 @@ def main():
     device_name = torch.cuda.get_device_name()
     multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
-    for n_cols in args.buckets:
-        n_rows, best = tune(fk._kernels.rms_norm, n_cols, multiprocessors)
-        results.append((n_cols, best))
+    for bucket in args.buckets:
+        n_cols = bucket - 1 if args.unaligned else bucket
+        n_rows, best = tune(fk._kernels.rms_norm, n_cols, multiprocessors, args.unaligned)
+        results.append((bucket, best))
         print(f"H={n_cols:>6} T={n_rows:>7}  fwd {best['forward'][0] * 1e3:8.1f} us {best['forward'][1]}  "
               f"bwd {best['backward'][0] * 1e3:8.1f} us {best['backward'][1]}", flush=True)
 
     table = read_table(args.write, "rms_norm")
+    suffix = "_unaligned" if args.unaligned else ""
     write_device_entries(args.write, device_name, {
-        kernel: to_entries(results, kernel, table[kernel].get(device_name, []))
+        kernel + suffix: to_entries(results, kernel, table.get(kernel + suffix, {}).get(device_name, []))
         for kernel in ("forward", "backward")})
 
 

@@ -371,12 +371,13 @@ def _row_strides(layout):
     return stride_outer, stride_inner, stride_col
 
 
-def _row_alignment(element_size, layouts, n_rows, n_cols):
-    """The kernels' ``ALIGN`` for rows of ``layouts``: 1 when Triton proves every row 16-byte aligned itself (row
+def row_alignment(element_size, layouts, n_rows, n_cols):
+    """The launchers' ``align`` for rows of ``layouts``: 1 when Triton proves every row 16-byte aligned itself (row
     length and strides multiples of 16 elements), the elements per 16 bytes when the row length and every stride
     that a row uses are multiples of that (a stride that no row uses, the outer one when all rows are in the inner
     group or the inner one when that group has one row, may be anything: rewriting it changes no offset), and None
-    when the rows are not all aligned or a column stride is not 1: the kernels then move 2 or 4 bytes per access."""
+    when the rows are not all aligned or a column stride is not 1: the kernels then move 2 or 4 bytes per access,
+    and the ops pick their launches from the tables for such rows (``forward_unaligned``, ``backward_unaligned``)."""
     if any(layout[3] != 1 for layout in layouts):
         return None
     align = 16 // element_size
@@ -390,17 +391,16 @@ def _row_alignment(element_size, layouts, n_rows, n_cols):
 
 
 def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual_out, rstd, n_rows, n_cols, eps,
-                     mode, *, block_rows, block_cols, num_warps):
+                     mode, *, block_rows, block_cols, num_warps, align):
     """Launch the forward kernel.
 
     ``x_layout``/``residual_layout`` are ``(rows_inner, stride_outer, stride_inner, stride_col)`` (see the module
     docstring; both tensors share ``rows_inner``). ``y`` and ``residual_out`` are contiguous outputs, ``rstd`` a
     contiguous fp32 output of ``n_rows`` elements (the backward's input); ``residual``/``residual_out``/``weight``
-    may be None.
+    may be None. ``align``: ``row_alignment`` of the two layouts.
     """
     rows_inner = x_layout[0]
     r_strides = _row_strides(residual_layout) if residual is not None else (0, 0, 0)
-    layouts = [x_layout] if residual is None else [x_layout, residual_layout]
     launch(
         _rms_norm_forward_kernel, (cdiv(n_rows, block_rows),),
         (x, residual if residual is not None else x, weight if weight is not None else x, y,
@@ -408,24 +408,22 @@ def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual
          n_rows, n_cols, rows_inner, eps, *_row_strides(x_layout), *r_strides),
         dict(MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
              BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=block_cols >= n_cols,
-             ALIGN=_row_alignment(x.element_size(), layouts, n_rows, n_cols) or 1),
+             ALIGN=align or 1),
         num_warps)
 
 
 def rms_norm_backward(dy, dy_layout, h, h_layout, rstd, weight, d_residual_out, d_residual_layout, dx, dw, n_rows,
-                      n_cols, eps, mode, *, block_rows, block_cols, num_warps, num_programs):
+                      n_cols, eps, mode, *, block_rows, block_cols, num_warps, num_programs, align):
     """Launch the backward: dx always (contiguous output), dw when ``dw`` is given (shape ``(n_cols,)``).
 
     ``h`` is the normalised input (``x``, or ``x + residual`` for the fused form) and ``rstd`` the forward's
     (contiguous fp32, ``n_rows`` elements); ``d_residual_out`` is the gradient reaching the fused form's residual
-    output, added to dx. ``num_programs`` sizes the persistent grid.
+    output, added to dx. ``num_programs`` sizes the persistent grid. ``align``: ``row_alignment`` of the layouts.
     """
     rows_inner = h_layout[0]
     if dy_layout[0] != rows_inner or (d_residual_out is not None and d_residual_layout[0] != rows_inner):
         raise ValueError("dy, h and d_residual_out must share the row grouping (rows_inner)")
     single_pass = block_cols >= n_cols
-    align = _row_alignment(h.element_size(), [dy_layout, h_layout] + (
-        [d_residual_layout] if d_residual_out is not None else []), n_rows, n_cols)
     if align is None and not single_pass:
         # Chunks of several rows accessed 2 bytes at a time need a 64-bit address per element: ptxas then gave the
         # H200 table's 4 x 8192 and 8 x 4096 tiles 32 registers and 3.5-8.7 KB of spills per thread (16384 x 24584

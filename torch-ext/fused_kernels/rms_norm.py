@@ -107,11 +107,13 @@ def _triton_forward(x, weight, residual, eps, mode, out_dtype):
     else:
         (x,), (x_layout,) = shared_row_layouts(x)
         r_layout = None
-    config = pick(_CONFIG_FAMILY, "forward", x.device, n_cols)
+    align = _triton_rms_norm.row_alignment(x.element_size(), [x_layout] + ([r_layout] if r_layout else []), n_rows,
+                                           n_cols)
+    config = pick(_CONFIG_FAMILY, "forward" if align else "forward_unaligned", x.device, n_cols)
     _triton_rms_norm.rms_norm_forward(
         x, x_layout, weight.contiguous() if weight is not None else None, residual, r_layout, y, residual_out, rstd,
         n_rows, n_cols, float(eps), mode,
-        block_rows=config["block_rows"], block_cols=config["block_cols"], num_warps=config["num_warps"])
+        block_rows=config["block_rows"], block_cols=config["block_cols"], num_warps=config["num_warps"], align=align)
     return y, residual_out, rstd
 
 
@@ -128,12 +130,13 @@ def _triton_backward(dy, d_residual_out, h, rstd, weight, eps, mode, compute_dw)
     tensors, layouts = shared_row_layouts(*tensors)
     dy, h = tensors[:2]
     d_residual_out, dr_layout = (tensors[2], layouts[2]) if d_residual_out is not None else (None, None)
-    config = pick(_CONFIG_FAMILY, "backward", h.device, n_cols)
+    align = _triton_rms_norm.row_alignment(h.element_size(), layouts, n_rows, n_cols)
+    config = pick(_CONFIG_FAMILY, "backward" if align else "backward_unaligned", h.device, n_cols)
     _triton_rms_norm.rms_norm_backward(
         dy, layouts[0], h, layouts[1], rstd.contiguous(), weight.contiguous() if weight is not None else None,
         d_residual_out, dr_layout, dx, dw, n_rows, n_cols, float(eps), mode,
         block_rows=config["block_rows"], block_cols=config["block_cols"], num_warps=config["num_warps"],
-        num_programs=config["programs_per_sm"] * multiprocessor_count(h.device))
+        num_programs=config["programs_per_sm"] * multiprocessor_count(h.device), align=align)
     return dx, dw
 
 
