@@ -22,9 +22,10 @@ otherwise moves 2 or 4 bytes per access, although bf16 rows of 5000 elements (10
 the host has checked that the row length and every stride a row uses are multiples of ``ALIGN``, and the kernels
 rewrite them as ``(v // ALIGN) * ALIGN``: the same values, in a form from which the compiler derives that each row
 starts on a boundary (a ``tl.multiple_of`` hint on them was lost in the compiler's rewriting). Rows that really start
-off boundaries (4095 elements) keep 2-byte accesses: splitting them into an aligned body and an edge tile measured
-faster in some backward tiles and slower in others and in the forward (the edge tile, too small for the block's
-layout, is replicated across its warps).
+off boundaries (4095 elements) keep 2-byte accesses, with launch tables of their own (fewer warps per row won there)
+and one row per chunked backward tile (see ``rms_norm_backward``): splitting them into an aligned body and an edge
+tile measured faster in some backward tiles and slower in others and in the forward (the edge tile, too small for the
+block's layout, is replicated across its warps).
 
 Backward. With g = dy * w (LLAMA, PLAIN), dy * (1 + w) (GEMMA) or dy (no weight), and x_hat = x * rstd:
   dx = rstd * (g - x_hat * mean(g * x_hat))
