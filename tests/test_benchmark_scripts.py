@@ -87,6 +87,22 @@ def test_chunked_attention_reference_matches_one_pass(monkeypatch, causal):
     torch.testing.assert_close(one_pass[0], sdpa, rtol=1e-5, atol=1e-5)
 
 
+def test_offline_compile_vectorises_aligned_rows():
+    """`compile_offline.py` compiles the SwiGLU/GeGLU and RMSNorm kernels for sm_90 (no GPU needed) and fails when a
+    layout whose rows all start on 16-byte boundaries gets narrower accesses: RMSNorm's rows of 8 * odd bf16
+    elements included, whose alignment only its ALIGN rewrite shows the compiler. Rows off boundaries must come out
+    with single-element accesses, so the check can tell the two apart."""
+    proc = subprocess.run([sys.executable, "compile_offline.py"], cwd=BENCHMARKS_DIR, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "0 failure(s)" in lines
+    length_aligned = [line for line in lines if "_rms_norm_" in line and "length_aligned" in line]
+    odd = [line for line in lines if "_rms_norm_" in line and "odd_width" in line]
+    assert len(length_aligned) == len(odd) == 15
+    assert all(int(line.split()[-3]) <= 1 for line in length_aligned)
+    assert all(int(line.split()[-3]) > 8 for line in odd)
+
+
 def test_rms_norm_tuner_keeps_untuned_buckets(monkeypatch):
     """tune_rms_norm.py --buckets rewrites only the tuned buckets' entries: with nothing tuned the device's table
     comes back unchanged (whole-row entries without block_cols, the last entry's chunked config kept), and a tuned
