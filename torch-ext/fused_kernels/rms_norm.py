@@ -103,12 +103,12 @@ def _triton_forward(x, weight, residual, eps, mode, out_dtype):
     if n_rows == 0:
         return y, residual_out, rstd
     if residual is not None:
-        (x, residual), (x_layout, r_layout) = shared_row_layouts(x, residual)
+        (x, residual), layouts = shared_row_layouts(x, residual)
+        x_layout, r_layout = layouts
     else:
-        (x,), (x_layout,) = shared_row_layouts(x)
-        r_layout = None
-    align = _triton_rms_norm.row_alignment(x.element_size(), [x_layout] + ([r_layout] if r_layout else []), n_rows,
-                                           n_cols)
+        (x,), layouts = shared_row_layouts(x)
+        x_layout, r_layout = layouts[0], None
+    align = _triton_rms_norm.row_alignment(x.element_size(), layouts, n_rows, n_cols)
     config = pick(_CONFIG_FAMILY, "forward" if align else "forward_unaligned", x.device, n_cols)
     _triton_rms_norm.rms_norm_forward(
         x, x_layout, weight.contiguous() if weight is not None else None, residual, r_layout, y, residual_out, rstd,
