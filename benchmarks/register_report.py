@@ -39,6 +39,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels_src  # noqa: E402  (the package, importable from the repository root)
@@ -70,6 +71,9 @@ def specialisation(kernel, args, constexprs):
                 attributes[(index,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
+        elif isinstance(value, TensorDescriptor):
+            element = _POINTER_TYPES[value.base.dtype].lstrip("*")
+            signature[name] = f"tensordesc<{element}{list(value.block_shape)}>"
         else:
             raise TypeError(f"{kernel.__name__}: argument {name} of type {type(value).__name__}")
     for name, value in constexprs.items():
@@ -143,12 +147,12 @@ def shipped_tile(table, kernel, device, head_dim):
 def parse_tile(text):
     kernel, values = text.split("=")
     fields = [int(x) for x in values.split(",")]
-    if kernel not in KERNELS or len(fields) not in (4, 5):
+    if kernel not in KERNELS or len(fields) not in (4, 5, 6):
         raise argparse.ArgumentTypeError(f"--tile: expected KERNEL=block_m,block_n,num_warps,num_stages[,one_loop] "
                                          f"with KERNEL one of {sorted(KERNELS)}, got {text!r}")
-    block_m, block_n, warps, stages, one_loop = fields + [0] * (5 - len(fields))
+    block_m, block_n, warps, stages, one_loop, kv_desc = fields + [0] * (6 - len(fields))
     return KERNELS[kernel], {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
-                             "one_loop": bool(one_loop)}
+                             "one_loop": bool(one_loop), "kv_desc": bool(kv_desc)}
 
 
 def main():

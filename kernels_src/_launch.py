@@ -19,6 +19,7 @@ still see every launch.
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _compiled: dict[tuple, object] = {}
 
@@ -47,9 +48,17 @@ def _args_key(args: tuple) -> tuple:
         else (bool, value) if isinstance(value, bool)
         else (int, value == 1, value % 16 == 0, -(2**31) <= value < 2**31) if isinstance(value, int)
         else float if isinstance(value, float)
+        else _descriptor_key(value) if isinstance(value, TensorDescriptor)
         else _unsupported(value)
         for value in args
     ])
+
+
+def _descriptor_key(desc: TensorDescriptor) -> tuple:
+    """A host tensor descriptor's specialisation: its element type, box and padding, and the base's alignment and
+    every extent's and stride's integer key (finer than Triton's, which is harmless: see the module docstring)."""
+    return (TensorDescriptor, desc.base.dtype, desc.base.data_ptr() % 16 == 0, tuple(desc.block_shape), desc.padding,
+            tuple([(value == 1, value % 16 == 0) for value in (*desc.shape, *desc.strides)]))
 
 
 def _launch_hooks_active() -> bool:

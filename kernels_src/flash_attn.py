@@ -32,6 +32,7 @@ their delta), so the GQA reduction of dK/dV happens in registers. Both recompute
 
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._launch import cdiv, launch, next_power_of_2
 
@@ -193,7 +194,7 @@ def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batc
               seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr, drop_threshold,
               keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, edge,
               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, MAX_ON_QK: tl.constexpr, MASKED: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_DESC: tl.constexpr):
     """One key tile of the forward's online softmax. MASKED tiles check bounds and, where ``edge`` holds (a runtime
     test in the one-loop form, the constant True otherwise), causality and the window.
     MAX_ON_QK: no soft cap and a positive scale, so max(scale * qk) = scale * max(qk)."""
@@ -202,8 +203,11 @@ def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batc
         col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
     else:
         col_mask = (dims < head_dim)[None, :]
-    k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
-                mask=col_mask, other=0.0)
+    if KV_DESC:
+        k = k_ptr.load([batch, col_start, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
+                    mask=col_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k))
     if MAX_ON_QK:
         # The scores are qk times the positive scale * log2(e): the row max is taken on qk and scaled once, and
@@ -229,8 +233,11 @@ def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batc
     if HAS_DROPOUT:
         p = tl.where(_dropout_keep(seed_ptr, batch_head, rows[:, None], cols[None, :], drop_threshold),
                      p * keep_scale, 0.0)
-    v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
-                mask=col_mask, other=0.0)
+    if KV_DESC:
+        v = v_ptr.load([batch, col_start, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
+                    mask=col_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
@@ -244,7 +251,7 @@ def _fwd_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MAX_ON_QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    FLAT_GRID: tl.constexpr, ONE_LOOP: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    FLAT_GRID: tl.constexpr, ONE_LOOP: tl.constexpr, HEAVY_FIRST: tl.constexpr, KV_DESC: tl.constexpr,
 ):
     """Output rows and lse of a query tile over its visible key tiles.
 
@@ -287,7 +294,7 @@ def _fwd_kernel(
                                       kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
                                       window_right, seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks,
                                       stride_kh, stride_vb, stride_vs, stride_vh, edge, HAS_SOFTCAP, HAS_DROPOUT,
-                                      MAX_ON_QK, run != 1, BLOCK_N)
+                                      MAX_ON_QK, run != 1, BLOCK_N, BLOCK_D, KV_DESC)
 
     has_mass = l_i > 0.0
     out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
@@ -555,6 +562,18 @@ def _lse_strides(lse, varlen):
     return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
 
 
+def _descriptor_ok(t):
+    """Whether the copy engine can address ``t``: 16-byte aligned base and strides, unit last stride."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+
+
+def _kv_descriptor(t, block_n, head_dim):
+    """A tensor descriptor of a dense (batch, seq, heads, head_dim) key or value tensor whose box is one key tile
+    of one head; rows past the sequence and dims past head_dim read as zero."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_n, 1, _block_d(head_dim)])
+
+
 def _dropout_args(dropout_p):
     """(Philox threshold, keep scale): an element is kept when its 32 random bits are >= p * 2**32."""
     if dropout_p <= 0.0:
@@ -576,19 +595,22 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     threshold, keep_scale = _dropout_args(dropout_p)
     block_m, block_n = tile["block_m"], tile["block_n"]
+    kv_desc = tile.get("kv_desc", False) and not varlen and all(_descriptor_ok(t) for t in (k, v))
+    k_arg, v_arg = (_kv_descriptor(k, block_n, head_dim), _kv_descriptor(v, block_n, head_dim)) if kv_desc else (k, v)
     # Each query tile streams the K and V of its kv head.
     pairs_per_group = _pairs_per_group(tile, window, 2 * seqlen_k * head_dim * k.element_size())
     grid, flat = _tile_grid(cdiv(seqlen_q, block_m), n_batch * n_heads)
     launch(
         _fwd_kernel, grid,
-        (q, k, v, out, lse, sink if sink is not None else lse, cu_seqlens_q if varlen else lse,
+        (q, k_arg, v_arg, out, lse, sink if sink is not None else lse, cu_seqlens_q if varlen else lse,
          cu_seqlens_k if varlen else lse, seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim,
          pairs_per_group, scale, softcap, window[0], window[1], seed, threshold, keep_scale,
          *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(out, varlen),
          *_lse_strides(lse, varlen)),
         dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_SINK=sink is not None, HAS_DROPOUT=dropout_p > 0,
              MAX_ON_QK=softcap <= 0 and scale > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim),
-             FLAT_GRID=flat, ONE_LOOP=tile.get("one_loop", False), HEAVY_FIRST=pairs_per_group > 0),
+             FLAT_GRID=flat, ONE_LOOP=tile.get("one_loop", False), HEAVY_FIRST=pairs_per_group > 0,
+             KV_DESC=kv_desc),
         tile["num_warps"], tile.get("num_stages"))
 
 
