@@ -150,9 +150,9 @@ def parse_tile(text):
     if kernel not in KERNELS or len(fields) not in (4, 5, 6):
         raise argparse.ArgumentTypeError(f"--tile: expected KERNEL=block_m,block_n,num_warps,num_stages[,one_loop] "
                                          f"with KERNEL one of {sorted(KERNELS)}, got {text!r}")
-    block_m, block_n, warps, stages, one_loop, kv_desc = fields + [0] * (6 - len(fields))
+    block_m, block_n, warps, stages, one_loop, desc = fields + [0] * (6 - len(fields))
     return KERNELS[kernel], {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
-                             "one_loop": bool(one_loop), "kv_desc": bool(kv_desc)}
+                             "one_loop": bool(one_loop), "desc": bool(desc)}
 
 
 def main():

@@ -180,6 +180,12 @@ def _tile_of_head(seqlen, pairs_per_group, BLOCK: tl.constexpr, FLAT_GRID: tl.co
     else:
         program = tl.program_id(1) * n_tiles + tl.program_id(0)
         n_pairs = tl.num_programs(1)
+    return _heavy_first_tile(program, n_tiles, n_pairs, pairs_per_group, BLOCK, HEAVY_LAST)
+
+
+@triton.jit
+def _heavy_first_tile(program, n_tiles, n_pairs, pairs_per_group, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """(first row or column of the tile, pair) of work item ``program`` in ``_tile_of_head``'s heavy-first order."""
     group = program // (pairs_per_group * n_tiles)
     in_group = program - group * (pairs_per_group * n_tiles)
     pairs_in_group = tl.minimum(pairs_per_group, n_pairs - group * pairs_per_group)
@@ -194,7 +200,7 @@ def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batc
               seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr, drop_threshold,
               keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, edge,
               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, MAX_ON_QK: tl.constexpr, MASKED: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_DESC: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr):
     """One key tile of the forward's online softmax. MASKED tiles check bounds and, where ``edge`` holds (a runtime
     test in the one-loop form, the constant True otherwise), causality and the window.
     MAX_ON_QK: no soft cap and a positive scale, so max(scale * qk) = scale * max(qk)."""
@@ -203,7 +209,7 @@ def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batc
         col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
     else:
         col_mask = (dims < head_dim)[None, :]
-    if KV_DESC:
+    if DESC:
         k = k_ptr.load([batch, col_start, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
     else:
         k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
@@ -233,7 +239,7 @@ def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batc
     if HAS_DROPOUT:
         p = tl.where(_dropout_keep(seed_ptr, batch_head, rows[:, None], cols[None, :], drop_threshold),
                      p * keep_scale, 0.0)
-    if KV_DESC:
+    if DESC:
         v = v_ptr.load([batch, col_start, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
     else:
         v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
@@ -248,10 +254,11 @@ def _fwd_kernel(
     fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, pairs_per_group, scale, softcap, window_left,
     window_right, seed_ptr, drop_threshold, keep_scale,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, n_pairs,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MAX_ON_QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    FLAT_GRID: tl.constexpr, ONE_LOOP: tl.constexpr, HEAVY_FIRST: tl.constexpr, KV_DESC: tl.constexpr,
+    FLAT_GRID: tl.constexpr, ONE_LOOP: tl.constexpr, HEAVY_FIRST: tl.constexpr, DESC: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     """Output rows and lse of a query tile over its visible key tiles.
 
@@ -260,14 +267,40 @@ def _fwd_kernel(
     edge tiles. One loop compiles the tile body once and needs fewer registers (offline, sm_90a: the head-dim-128
     dK/dV pass spills 0 bytes instead of 160); which form is faster depends on the pass and head dim, so the launch
     table chooses (``one_loop``)."""
-    row_start, batch_head = _tile_of_head(fixed_seqlen_q, pairs_per_group, BLOCK_M, FLAT_GRID, HEAVY_FIRST, True)
+    if PERSISTENT:
+        n_tiles = tl.cdiv(fixed_seqlen_q, BLOCK_M)
+        for item in tl.range(tl.program_id(0), n_tiles * n_pairs, tl.num_programs(0), flatten=True):
+            row_start, batch_head = _heavy_first_tile(item, n_tiles, n_pairs, pairs_per_group, BLOCK_M, True)
+            _fwd_query_tile(row_start, batch_head, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+                            fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, scale, softcap, window_left,
+                            window_right, seed_ptr, drop_threshold, keep_scale,
+                            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                            stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                            IS_VARLEN, HAS_SOFTCAP, HAS_SINK, HAS_DROPOUT, MAX_ON_QK, BLOCK_M, BLOCK_N, BLOCK_D, ONE_LOOP, DESC)
+    else:
+        row_start, batch_head = _tile_of_head(fixed_seqlen_q, pairs_per_group, BLOCK_M, FLAT_GRID, HEAVY_FIRST, True)
+        _fwd_query_tile(row_start, batch_head, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+                        fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, scale, softcap, window_left,
+                        window_right, seed_ptr, drop_threshold, keep_scale,
+                        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                        stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                        IS_VARLEN, HAS_SOFTCAP, HAS_SINK, HAS_DROPOUT, MAX_ON_QK, BLOCK_M, BLOCK_N, BLOCK_D, ONE_LOOP, DESC)
+
+
+@triton.jit
+def _fwd_query_tile(row_start, batch_head, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+        fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, scale, softcap, window_left,
+        window_right, seed_ptr, drop_threshold, keep_scale,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+        IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        MAX_ON_QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        ONE_LOOP: tl.constexpr, DESC: tl.constexpr):
     batch = batch_head // n_heads
     head = batch_head % n_heads
     kv_head = head // group_size
     q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
     k_start, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
-    if row_start >= seqlen_q:
-        return
 
     rows = row_start + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -286,6 +319,10 @@ def _fwd_kernel(
     shift = seqlen_k - seqlen_q
     lo, full_lo, full_hi, hi = _partner_tiles(row_start, BLOCK_M, seqlen_q, seqlen_k, shift - window_left,
                                               shift + window_right, BLOCK_N)
+    # A tile past a short sequence's end (varlen) visits no keys and stores nothing.
+    hi = tl.where(row_start < seqlen_q, hi, lo)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(full_hi, hi)
     for run in tl.static_range(1 if ONE_LOOP else 3):
         start, end = _run_bounds(run, ONE_LOOP, lo, full_lo, full_hi, hi)
         for col_start in range(start, end, BLOCK_N):
@@ -294,7 +331,7 @@ def _fwd_kernel(
                                       kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
                                       window_right, seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks,
                                       stride_kh, stride_vb, stride_vs, stride_vh, edge, HAS_SOFTCAP, HAS_DROPOUT,
-                                      MAX_ON_QK, run != 1, BLOCK_N, BLOCK_D, KV_DESC)
+                                      MAX_ON_QK, run != 1, BLOCK_N, BLOCK_D, DESC)
 
     has_mass = l_i > 0.0
     out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
@@ -324,7 +361,7 @@ def _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delt
                seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr, drop_threshold,
                keep_scale, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
                edge, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr,
-               BLOCK_M: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr):
     """One query tile's contribution to dK and dV of the key tile (k, v).
 
     Computed transposed, as (keys, queries) tiles: P^T = exp(K Q^T - lse) and dS^T are then the left operands
@@ -335,10 +372,14 @@ def _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delt
         mask_t = (dims < head_dim)[:, None] & (rows < seqlen_q)[None, :]
     else:
         mask_t = (dims < head_dim)[:, None]
-    q_t = tl.load(tl.trans(_tile_ptrs(q_ptr, batch, head, stride_qb, stride_qs, stride_qh, q_start, rows, dims)),
-                  mask=mask_t, other=0.0)
-    do_t = tl.load(tl.trans(_tile_ptrs(do_ptr, batch, head, stride_dob, stride_dos, stride_doh, q_start, rows,
-                                       dims)), mask=mask_t, other=0.0)
+    if DESC:
+        q_t = tl.trans(q_ptr.load([batch, row_start, head, 0]).reshape(BLOCK_M, BLOCK_D))
+        do_t = tl.trans(do_ptr.load([batch, row_start, head, 0]).reshape(BLOCK_M, BLOCK_D))
+    else:
+        q_t = tl.load(tl.trans(_tile_ptrs(q_ptr, batch, head, stride_qb, stride_qs, stride_qh, q_start, rows,
+                                          dims)), mask=mask_t, other=0.0)
+        do_t = tl.load(tl.trans(_tile_ptrs(do_ptr, batch, head, stride_dob, stride_dos, stride_doh, q_start, rows,
+                                           dims)), mask=mask_t, other=0.0)
     row_offsets = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start + rows
     lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seqlen_q, other=float("inf")) * LOG2E
     delta = tl.load(delta_ptr + row_offsets, mask=rows < seqlen_q, other=0.0)
@@ -365,17 +406,21 @@ def _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_p
              k_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left, window_right, seed_ptr,
              drop_threshold, keep_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, edge,
              HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr, MASKED: tl.constexpr,
-             BLOCK_N: tl.constexpr):
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr):
     """One key tile's contribution to dQ of the query tile and, with a sink, to each row's sum of P * dP."""
     cols = col_start + tl.arange(0, BLOCK_N)
     if MASKED:
         col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
     else:
         col_mask = (dims < head_dim)[None, :]
-    k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
-                mask=col_mask, other=0.0)
-    v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
-                mask=col_mask, other=0.0)
+    if DESC:
+        k = k_ptr.load([batch, col_start, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+        v = v_ptr.load([batch, col_start, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
+                    mask=col_mask, other=0.0)
+        v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
+                    mask=col_mask, other=0.0)
     p, s = _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softcap, window_left,
                           window_right, edge, HAS_SOFTCAP, MASKED)
     dp = tl.dot(do, tl.trans(v))
@@ -398,7 +443,7 @@ def _bwd_dkdv_kernel(
     stride_lb, stride_lh,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT_GRID: tl.constexpr,
-    ONE_LOOP: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    ONE_LOOP: tl.constexpr, HEAVY_FIRST: tl.constexpr, DESC: tl.constexpr,
 ):
     col_start, batch_kv_head = _tile_of_head(fixed_seqlen_k, pairs_per_group, BLOCK_N, FLAT_GRID, HEAVY_FIRST, False)
     batch = batch_kv_head // n_kv_heads
@@ -432,7 +477,7 @@ def _bwd_dkdv_kernel(
                                     head, n_heads, q_start, seqlen_q, seqlen_k, head_dim, scale, softcap, window_left,
                                     window_right, seed_ptr, drop_threshold, keep_scale, stride_qb, stride_qs,
                                     stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, edge,
-                                    HAS_SOFTCAP, HAS_DROPOUT, run != 1, BLOCK_M)
+                                    HAS_SOFTCAP, HAS_DROPOUT, run != 1, BLOCK_M, BLOCK_D, DESC)
 
     tl.store(_tile_ptrs(dk_ptr, batch, kv_head, stride_dkb, stride_dks, stride_dkh, k_start, cols, dims),
              (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_mask)
@@ -450,7 +495,7 @@ def _bwd_dq_kernel(
     stride_lb, stride_lh,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FLAT_GRID: tl.constexpr,
-    ONE_LOOP: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    ONE_LOOP: tl.constexpr, HEAVY_FIRST: tl.constexpr, DESC: tl.constexpr,
 ):
     """dQ of a query tile over its visible key tiles, and the tile's delta = rowsum(dO * O) for the dK/dV pass
     (stored before the loop; a separate pass for it took 76 us of the 4.0 ms backward at B4 H32 S4096 d128).
@@ -493,7 +538,7 @@ def _bwd_dq_kernel(
                                 batch_head, kv_head, k_start, seqlen_q, seqlen_k, head_dim, scale, softcap,
                                 window_left, window_right, seed_ptr, drop_threshold, keep_scale, stride_kb, stride_ks,
                                 stride_kh, stride_vb, stride_vs, stride_vh, edge, HAS_SOFTCAP, HAS_DROPOUT, HAS_SINK,
-                                run != 1, BLOCK_N)
+                                run != 1, BLOCK_N, BLOCK_D, DESC)
 
     tl.store(_tile_ptrs(dq_ptr, batch, head, stride_dqb, stride_dqs, stride_dqh, q_start, rows, dims),
              (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
@@ -568,10 +613,14 @@ def _descriptor_ok(t):
     return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s * size % 16 == 0 for s in t.stride()[:-1])
 
 
-def _kv_descriptor(t, block_n, head_dim):
-    """A tensor descriptor of a dense (batch, seq, heads, head_dim) key or value tensor whose box is one key tile
-    of one head; rows past the sequence and dims past head_dim read as zero."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_n, 1, _block_d(head_dim)])
+def _streamed(tile, varlen, block_rows, head_dim, *tensors):
+    """(DESC, arguments) for the tensors a pass streams tile by tile: with the launch entry's ``desc`` and dense
+    tensors the copy engine can address, host tensor descriptors whose box is one (block_rows, head-dim) tile of
+    one head (rows past the sequence and dims past head_dim read as zero); otherwise the tensors themselves."""
+    if not tile.get("desc", False) or varlen or not all(_descriptor_ok(t) for t in tensors):
+        return False, tensors
+    box = [1, block_rows, 1, _block_d(head_dim)]
+    return True, tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), box) for t in tensors)
 
 
 def _dropout_args(dropout_p):
@@ -595,22 +644,25 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     threshold, keep_scale = _dropout_args(dropout_p)
     block_m, block_n = tile["block_m"], tile["block_n"]
-    kv_desc = tile.get("kv_desc", False) and not varlen and all(_descriptor_ok(t) for t in (k, v))
-    k_arg, v_arg = (_kv_descriptor(k, block_n, head_dim), _kv_descriptor(v, block_n, head_dim)) if kv_desc else (k, v)
+    desc, (k_arg, v_arg) = _streamed(tile, varlen, block_n, head_dim, k, v)
     # Each query tile streams the K and V of its kv head.
     pairs_per_group = _pairs_per_group(tile, window, 2 * seqlen_k * head_dim * k.element_size())
     grid, flat = _tile_grid(cdiv(seqlen_q, block_m), n_batch * n_heads)
+    persistent = tile.get("persistent", 0)
+    if persistent:
+        grid, flat = (min(persistent, cdiv(seqlen_q, block_m) * n_batch * n_heads),), False
+        pairs_per_group = pairs_per_group or cdiv(seqlen_q, block_m) * n_batch * n_heads
     launch(
         _fwd_kernel, grid,
         (q, k_arg, v_arg, out, lse, sink if sink is not None else lse, cu_seqlens_q if varlen else lse,
          cu_seqlens_k if varlen else lse, seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim,
          pairs_per_group, scale, softcap, window[0], window[1], seed, threshold, keep_scale,
          *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(out, varlen),
-         *_lse_strides(lse, varlen)),
+         *_lse_strides(lse, varlen), n_batch * n_heads),
         dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_SINK=sink is not None, HAS_DROPOUT=dropout_p > 0,
              MAX_ON_QK=softcap <= 0 and scale > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim),
              FLAT_GRID=flat, ONE_LOOP=tile.get("one_loop", False), HEAVY_FIRST=pairs_per_group > 0,
-             KV_DESC=kv_desc),
+             DESC=desc, PERSISTENT=bool(persistent)),
         tile["num_warps"], tile.get("num_stages"))
 
 
@@ -635,26 +687,28 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     lse_strides = _lse_strides(lse, varlen)
     shared = (scale, softcap, window[0], window[1], seed, threshold, keep_scale)
     flags = dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=dropout_p > 0)
+    dq_desc, (k_arg, v_arg) = _streamed(dq_tile, varlen, dq_tile["block_n"], head_dim, k, v)
     grid, flat = _tile_grid(cdiv(seqlen_q, dq_tile["block_m"]), n_batch * n_heads)
     launch(
         _bwd_dq_kernel, grid,
-        (q, k, v, out, dout, lse, delta, dq, sink if sink is not None else lse,
+        (q, k_arg, v_arg, out, dout, lse, delta, dq, sink if sink is not None else lse,
          dsink_rows if dsink_rows is not None else lse, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, group_size,
          head_dim, dq_pairs_per_group, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
          *_strides3(v, varlen), *_strides3(out, varlen), *_strides3(dout, varlen), *_strides3(dq, varlen),
          *lse_strides),
         dict(**flags, HAS_SINK=sink is not None, BLOCK_M=dq_tile["block_m"], BLOCK_N=dq_tile["block_n"],
              BLOCK_D=block_d, FLAT_GRID=flat, ONE_LOOP=dq_tile.get("one_loop", False),
-             HEAVY_FIRST=dq_pairs_per_group > 0),
+             HEAVY_FIRST=dq_pairs_per_group > 0, DESC=dq_desc),
         dq_tile["num_warps"], dq_tile.get("num_stages"))
+    dkdv_desc, (q_arg, dout_arg) = _streamed(dkdv_tile, varlen, dkdv_tile["block_m"], head_dim, q, dout)
     grid, flat = _tile_grid(cdiv(seqlen_k, dkdv_tile["block_n"]), n_batch * n_kv_heads)
     launch(
         _bwd_dkdv_kernel, grid,
-        (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_kv_heads, group_size, head_dim,
+        (q_arg, k, v, dout_arg, lse, delta, dk, dv, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_kv_heads, group_size, head_dim,
          dkdv_pairs_per_group, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
          *_strides3(v, varlen), *_strides3(dout, varlen), *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides),
         dict(**flags, BLOCK_M=dkdv_tile["block_m"], BLOCK_N=dkdv_tile["block_n"], BLOCK_D=block_d, FLAT_GRID=flat,
-             ONE_LOOP=dkdv_tile.get("one_loop", False), HEAVY_FIRST=dkdv_pairs_per_group > 0),
+             ONE_LOOP=dkdv_tile.get("one_loop", False), HEAVY_FIRST=dkdv_pairs_per_group > 0, DESC=dkdv_desc),
         dkdv_tile["num_warps"], dkdv_tile.get("num_stages"))
 
 
