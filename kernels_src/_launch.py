@@ -77,15 +77,16 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, num_war
     """``kernel[grid](*args, **constexprs, num_warps=num_warps[, num_stages=num_stages])``, without Triton's
     per-call binding (``num_stages`` None: Triton's default software pipelining depth).
 
-    ``args`` are the runtime arguments in the kernel's parameter order (tensors, ints, floats; the first one a
-    tensor) and ``constexprs`` its ``tl.constexpr`` parameters, which must follow them in the signature. The
-    kernel runs on the first tensor's device, whatever the current device is (Triton itself launches on the
-    current one, which breaks models split across GPUs in one process).
+    ``args`` are the runtime arguments in the kernel's parameter order (tensors, host tensor descriptors, ints,
+    floats; the first one a tensor or a descriptor) and ``constexprs`` its ``tl.constexpr`` parameters, which must
+    follow them in the signature. The kernel runs on the first tensor's device, whatever the current device is
+    (Triton itself launches on the current one, which breaks models split across GPUs in one process).
     """
     if INTERPRETING or _launch_hooks_active():
         kernel[grid](*args, **constexprs, **_options(num_warps, num_stages))
         return
-    device = args[0].get_device()
+    first = args[0]
+    device = (first.base if isinstance(first, TensorDescriptor) else first).get_device()
     if device != torch.cuda.current_device():
         with torch.cuda.device(device):
             _launch_on(device, kernel, grid, args, constexprs, num_warps, num_stages)

@@ -180,12 +180,6 @@ def _tile_of_head(seqlen, pairs_per_group, BLOCK: tl.constexpr, FLAT_GRID: tl.co
     else:
         program = tl.program_id(1) * n_tiles + tl.program_id(0)
         n_pairs = tl.num_programs(1)
-    return _heavy_first_tile(program, n_tiles, n_pairs, pairs_per_group, BLOCK, HEAVY_LAST)
-
-
-@triton.jit
-def _heavy_first_tile(program, n_tiles, n_pairs, pairs_per_group, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
-    """(first row or column of the tile, pair) of work item ``program`` in ``_tile_of_head``'s heavy-first order."""
     group = program // (pairs_per_group * n_tiles)
     in_group = program - group * (pairs_per_group * n_tiles)
     pairs_in_group = tl.minimum(pairs_per_group, n_pairs - group * pairs_per_group)
@@ -254,11 +248,10 @@ def _fwd_kernel(
     fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, pairs_per_group, scale, softcap, window_left,
     window_right, seed_ptr, drop_threshold, keep_scale,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, n_pairs,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MAX_ON_QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     FLAT_GRID: tl.constexpr, ONE_LOOP: tl.constexpr, HEAVY_FIRST: tl.constexpr, DESC: tl.constexpr,
-    PERSISTENT: tl.constexpr,
 ):
     """Output rows and lse of a query tile over its visible key tiles.
 
@@ -267,40 +260,14 @@ def _fwd_kernel(
     edge tiles. One loop compiles the tile body once and needs fewer registers (offline, sm_90a: the head-dim-128
     dK/dV pass spills 0 bytes instead of 160); which form is faster depends on the pass and head dim, so the launch
     table chooses (``one_loop``)."""
-    if PERSISTENT:
-        n_tiles = tl.cdiv(fixed_seqlen_q, BLOCK_M)
-        for item in tl.range(tl.program_id(0), n_tiles * n_pairs, tl.num_programs(0), flatten=True):
-            row_start, batch_head = _heavy_first_tile(item, n_tiles, n_pairs, pairs_per_group, BLOCK_M, True)
-            _fwd_query_tile(row_start, batch_head, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
-                            fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, scale, softcap, window_left,
-                            window_right, seed_ptr, drop_threshold, keep_scale,
-                            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                            stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                            IS_VARLEN, HAS_SOFTCAP, HAS_SINK, HAS_DROPOUT, MAX_ON_QK, BLOCK_M, BLOCK_N, BLOCK_D, ONE_LOOP, DESC)
-    else:
-        row_start, batch_head = _tile_of_head(fixed_seqlen_q, pairs_per_group, BLOCK_M, FLAT_GRID, HEAVY_FIRST, True)
-        _fwd_query_tile(row_start, batch_head, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
-                        fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, scale, softcap, window_left,
-                        window_right, seed_ptr, drop_threshold, keep_scale,
-                        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                        stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                        IS_VARLEN, HAS_SOFTCAP, HAS_SINK, HAS_DROPOUT, MAX_ON_QK, BLOCK_M, BLOCK_N, BLOCK_D, ONE_LOOP, DESC)
-
-
-@triton.jit
-def _fwd_query_tile(row_start, batch_head, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
-        fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, scale, softcap, window_left,
-        window_right, seed_ptr, drop_threshold, keep_scale,
-        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-        IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        MAX_ON_QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        ONE_LOOP: tl.constexpr, DESC: tl.constexpr):
+    row_start, batch_head = _tile_of_head(fixed_seqlen_q, pairs_per_group, BLOCK_M, FLAT_GRID, HEAVY_FIRST, True)
     batch = batch_head // n_heads
     head = batch_head % n_heads
     kv_head = head // group_size
     q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
     k_start, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
+    if row_start >= seqlen_q:
+        return
 
     rows = row_start + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -319,10 +286,6 @@ def _fwd_query_tile(row_start, batch_head, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, 
     shift = seqlen_k - seqlen_q
     lo, full_lo, full_hi, hi = _partner_tiles(row_start, BLOCK_M, seqlen_q, seqlen_k, shift - window_left,
                                               shift + window_right, BLOCK_N)
-    # A tile past a short sequence's end (varlen) visits no keys and stores nothing.
-    hi = tl.where(row_start < seqlen_q, hi, lo)
-    full_lo = tl.minimum(full_lo, hi)
-    full_hi = tl.minimum(full_hi, hi)
     for run in tl.static_range(1 if ONE_LOOP else 3):
         start, end = _run_bounds(run, ONE_LOOP, lo, full_lo, full_hi, hi)
         for col_start in range(start, end, BLOCK_N):
@@ -648,21 +611,17 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
     # Each query tile streams the K and V of its kv head.
     pairs_per_group = _pairs_per_group(tile, window, 2 * seqlen_k * head_dim * k.element_size())
     grid, flat = _tile_grid(cdiv(seqlen_q, block_m), n_batch * n_heads)
-    persistent = tile.get("persistent", 0)
-    if persistent:
-        grid, flat = (min(persistent, cdiv(seqlen_q, block_m) * n_batch * n_heads),), False
-        pairs_per_group = pairs_per_group or cdiv(seqlen_q, block_m) * n_batch * n_heads
     launch(
         _fwd_kernel, grid,
         (q, k_arg, v_arg, out, lse, sink if sink is not None else lse, cu_seqlens_q if varlen else lse,
          cu_seqlens_k if varlen else lse, seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim,
          pairs_per_group, scale, softcap, window[0], window[1], seed, threshold, keep_scale,
          *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(out, varlen),
-         *_lse_strides(lse, varlen), n_batch * n_heads),
+         *_lse_strides(lse, varlen)),
         dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_SINK=sink is not None, HAS_DROPOUT=dropout_p > 0,
              MAX_ON_QK=softcap <= 0 and scale > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim),
              FLAT_GRID=flat, ONE_LOOP=tile.get("one_loop", False), HEAVY_FIRST=pairs_per_group > 0,
-             DESC=desc, PERSISTENT=bool(persistent)),
+             DESC=desc),
         tile["num_warps"], tile.get("num_stages"))
 
 
