@@ -148,8 +148,8 @@ def parse_tile(text):
     kernel, values = text.split("=")
     fields = [int(x) for x in values.split(",")]
     if kernel not in KERNELS or len(fields) not in (4, 5, 6):
-        raise argparse.ArgumentTypeError(f"--tile: expected KERNEL=block_m,block_n,num_warps,num_stages[,one_loop] "
-                                         f"with KERNEL one of {sorted(KERNELS)}, got {text!r}")
+        raise argparse.ArgumentTypeError("--tile: expected KERNEL=block_m,block_n,num_warps,num_stages"
+                                         f"[,one_loop[,desc]] with KERNEL one of {sorted(KERNELS)}, got {text!r}")
     block_m, block_n, warps, stages, one_loop, desc = fields + [0] * (6 - len(fields))
     return KERNELS[kernel], {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
                              "one_loop": bool(one_loop), "desc": bool(desc)}
@@ -161,8 +161,9 @@ def main():
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--device", default="NVIDIA H200", help="the launch table's device whose tiles are compiled")
     parser.add_argument("--tile", type=parse_tile, action="append", default=[],
-                        help="override one kernel's tile: KERNEL=block_m,block_n,num_warps,num_stages[,one_loop] "
-                             "(KERNEL: forward, dkdv or dq; one_loop 1: the tile loop as one loop, default 0)")
+                        help="override one kernel's tile: KERNEL=block_m,block_n,num_warps,num_stages"
+                             "[,one_loop[,desc]] (KERNEL: forward, dkdv or dq; one_loop 1: the tile loop as one loop; "
+                             "desc 1: streamed tiles through tensor descriptors; both default 0)")
     parser.add_argument("--kernels", nargs="+", choices=sorted(KERNELS), default=sorted(KERNELS))
     parser.add_argument("--source", type=Path,
                         help="a modified copy of kernels_src/flash_attn.py to compile instead (to screen a change)")

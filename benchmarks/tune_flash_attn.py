@@ -10,7 +10,9 @@ The result is data: the package reads it at run time and never autotunes.
     python benchmarks/tune_flash_attn.py --build <variants dir> [--write torch-ext/fused_kernels/configs/flash_attn.json]
                                          [--head-dims 128]
 
-Each candidate compiles once (seconds): a head dim takes a few minutes, so ``--head-dims`` tunes a subset (the
+Every tile is tried with its streamed tiles through tensor descriptors and with pointer loads (``desc``); an entry
+whose fastest tile uses descriptors keeps the fastest pointer-load tile's differences as ``without_desc``.
+Each candidate compiles once (seconds): a head dim takes several minutes, so ``--head-dims`` tunes a subset (the
 table's rows for the others keep the current values).
 """
 
@@ -39,17 +41,21 @@ DKDV_STAGES = (1, 2, 3)
 # is faster depends on the pass and head dim (on the H200 one loop won in dK/dV at every head dim and in the forward
 # at 256, and lost in dQ and in the forwards at 64 and 128).
 ONE_LOOP = (False, True)
+# Streamed tiles through tensor descriptors or pointer loads (``desc``): the freed registers change which tile wins.
+DESC = (False, True)
 
 
 def candidates(block_ms, stage_counts):
-    for block_m, block_n, warps, stages, one_loop in itertools.product(block_ms, BLOCK_N, WARPS, stage_counts,
-                                                                       ONE_LOOP):
-        yield {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages, "one_loop": one_loop}
+    for block_m, block_n, warps, stages, one_loop, desc in itertools.product(block_ms, BLOCK_N, WARPS, stage_counts,
+                                                                             ONE_LOOP, DESC):
+        yield {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages, "one_loop": one_loop,
+               "desc": desc}
 
 
 def fastest(label, timed, block_ms=BLOCK_M, stage_counts=STAGES):
-    """The candidate with the lowest time; ``timed(config)`` returns milliseconds or raises if it cannot run."""
-    best = None
+    """(the candidate with the lowest time, the one among those with pointer loads); ``timed(config)`` returns
+    milliseconds or raises if it cannot run."""
+    best = {}
     for config in candidates(block_ms, stage_counts):
         try:
             ms = timed(config)
@@ -57,10 +63,25 @@ def fastest(label, timed, block_ms=BLOCK_M, stage_counts=STAGES):
             print(f"  {label} {config}: skipped ({type(error).__name__})", flush=True)
             continue
         print(f"  {label} {config}: {ms * 1e3:.1f} us", flush=True)
-        if best is None or ms < best[0]:
-            best = (ms, config)
-    print(f"{label}: {best[1]} {best[0] * 1e3:.1f} us", flush=True)
-    return best[1]
+        for kind in ("any", "pointers") if not config["desc"] else ("any",):
+            if kind not in best or ms < best[kind][0]:
+                best[kind] = (ms, config)
+    for kind, (ms, config) in best.items():
+        print(f"{label} ({kind}): {config} {ms * 1e3:.1f} us", flush=True)
+    return best["any"][1], best["pointers"][1]
+
+
+def table_entry(label, timed, tiles):
+    """The launch entry from ``fastest``'s pair, each with its faster program order: the fastest tile, and when it
+    streams through descriptors, the fastest pointer-load tile's differences as ``without_desc`` (what runs where
+    descriptors cannot be used: varlen batches, misaligned tensors)."""
+    tile, pointer_tile = (with_order(label, timed, t) for t in tiles)
+    if not tile["desc"]:
+        return tile
+    keys = (set(tile) | set(pointer_tile)) - {"desc"}
+    without_desc = {key: pointer_tile.get(key, False) for key in sorted(keys)
+                    if tile.get(key, False) != pointer_tile.get(key, False)}
+    return {**tile, "without_desc": without_desc} if without_desc else tile
 
 
 def with_order(label, timed, tile):
@@ -101,7 +122,7 @@ def main():
             run()
             return do_bench(run, warmup=10, rep=50)
 
-        forward_tile = with_order(f"d={head_dim} forward", forward, fastest(f"d={head_dim} forward", forward))
+        forward_tile = table_entry(f"d={head_dim} forward", forward, fastest(f"d={head_dim} forward", forward))
         attn.flash_attn_forward(q, k, v, out, lse, None, seed, *common, tile=forward_tile)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
@@ -116,10 +137,10 @@ def main():
         row = None if head_dim == HEAD_DIMS[-1] else head_dim
         current = {key: value for key, value in tuned["backward_dq"][row].items() if key != "max_cols"}
         dkdv_timed = lambda tile: backward(tile, current)  # noqa: E731
-        dkdv_tile = with_order(f"d={head_dim} backward dK/dV", dkdv_timed,
-                               fastest(f"d={head_dim} backward dK/dV", dkdv_timed, DKDV_BLOCK_M, DKDV_STAGES))
+        dkdv_tile = table_entry(f"d={head_dim} backward dK/dV", dkdv_timed,
+                                fastest(f"d={head_dim} backward dK/dV", dkdv_timed, DKDV_BLOCK_M, DKDV_STAGES))
         dq_timed = lambda tile: backward(dkdv_tile, tile)  # noqa: E731
-        dq_tile = with_order(f"d={head_dim} backward dQ", dq_timed, fastest(f"d={head_dim} backward dQ", dq_timed))
+        dq_tile = table_entry(f"d={head_dim} backward dQ", dq_timed, fastest(f"d={head_dim} backward dQ", dq_timed))
         for kernel, tile in (("forward", forward_tile), ("backward_dkdv", dkdv_tile), ("backward_dq", dq_tile)):
             tuned[kernel][row] = {"max_cols": row, **tile}
     write_device_entries(args.write, device_name, {

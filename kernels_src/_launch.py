@@ -6,12 +6,13 @@ time of the kernel on inputs below a few MB, and paid again for each launch of a
 each compiled kernel under its own *specialisation key* and calls the compiled kernel's launcher directly
 (~10 us).
 
-The key holds exactly what Triton specialises a kernel on: for each tensor its dtype and whether its address
-is 16-byte aligned; for each integer whether it is 1, whether it is divisible by 16 and whether it fits in
-int32; the constexpr values, ``num_warps``, ``num_stages`` and the device. Two calls with equal keys therefore select the
-same compiled kernel that ``kernel[grid](...)`` would (``tests/test_launch.py`` checks this against
-Triton's own binder on the GPU). For an argument Triton is told not to specialise (``do_not_specialize``) the
-key is finer than Triton's, which only stores the same compiled kernel under two keys. The first call with a new
+The key holds what Triton specialises a kernel on: for each tensor its dtype and whether its address is 16-byte
+aligned; for each host tensor descriptor its element type and box; for each integer whether it is 1, whether it
+is divisible by 16 and whether it fits in int32; the constexpr values, ``num_warps``, ``num_stages`` and the
+device. Two calls with equal keys therefore select the same compiled kernel that ``kernel[grid](...)`` would
+(``tests/test_launch.py`` checks this against Triton's own binder on the GPU). Where the key holds more (an
+argument Triton is told not to specialise, ``do_not_specialize``; a descriptor's extents and strides) it is finer
+than Triton's, which only stores the same compiled kernel under two keys. The first call with a new
 key goes through ``kernel[grid](...)``, which compiles (or loads from Triton's cache) and launches; so does every
 call under the CPU interpreter, and every call while a Triton launch hook (a profiler) is installed, so profilers
 still see every launch.

@@ -28,6 +28,16 @@ then owns one key tile of one kv head and loops over the query tiles of every qu
 their delta), so the GQA reduction of dK/dV happens in registers. Both recompute P from q, k and the lse:
   dV = P_drop^T dO,   dP = dO V^T (dropped and rescaled like P),   dS = P * (dP - delta),
   dS *= 1 - tanh^2 (soft-capping),   dQ = scale * dS K,   dK = scale * dS^T Q.
+
+Streamed tiles. Each pass holds one tile and streams its partner tiles: K and V in the forward and dQ passes, Q and
+dO in the dK/dV pass. Where the launch entry says ``desc`` and the batch is dense with 16-byte aligned base and
+strides, those come through host tensor descriptors (``DESC``): the copy engine (TMA) fetches each tile into
+shared memory, where the tensor cores read it, and the kernel computes no addresses and no load masks (rows past
+the sequence end and dims past head_dim arrive as zeros). That frees registers (the head-dim-128 forward: 218
+instead of 255) and issue slots; on the H200 it made the head-dim-128 forward 4-8% faster, and with the tile loop
+as one loop 3-20% (the freed registers pay for the run-time edge test). Varlen batches keep pointer loads: a box
+that crosses a sequence's end reads the next sequence's rows (zeros arrive only past the tensor's end), and one
+non-finite value there would reach this sequence through 0 * inf.
 """
 
 import triton
@@ -160,9 +170,9 @@ def _tile_of_head(seqlen, pairs_per_group, BLOCK: tl.constexpr, FLAT_GRID: tl.co
     differ in work up to seqlen / BLOCK times, and in the natural order the kernel ends on the heavy tiles of its
     last pairs: a tail that a simulation of 132 SMs puts at 3-4% at 4k tokens. Small groups keep the programs that
     run at once on the partner tiles of a few pairs, in L2 (the launcher sizes them). It is a compile-time switch
-    because its index arithmetic costs registers: 2 more in the head-dim-64 forward took it past the 128 that let
-    two programs share an SM, 27% slower on the H200; which passes gain is measured per head dim (the launch
-    table's ``heavy_first``).
+    because its index arithmetic costs registers: 2 more in the head-dim-64 forward with pointer loads took it past
+    the 128 that let two programs share an SM, 27% slower on the H200 (with descriptor loads it fits, and gains);
+    which passes gain is measured per head dim (the launch table's ``heavy_first``).
 
     The flat grid serves only more (batch, head) pairs than a second grid axis holds (a packed batch of thousands
     of sequences): on the H200 it measured 25% slower in the head-dim-64 forward (whose division and remainder take
@@ -577,13 +587,16 @@ def _descriptor_ok(t):
 
 
 def _streamed(tile, varlen, block_rows, head_dim, *tensors):
-    """(DESC, arguments) for the tensors a pass streams tile by tile: with the launch entry's ``desc`` and dense
-    tensors the copy engine can address, host tensor descriptors whose box is one (block_rows, head-dim) tile of
-    one head (rows past the sequence and dims past head_dim read as zero); otherwise the tensors themselves."""
-    if not tile.get("desc", False) or varlen or not all(_descriptor_ok(t) for t in tensors):
-        return False, tensors
-    box = [1, block_rows, 1, _block_d(head_dim)]
-    return True, tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), box) for t in tensors)
+    """(tile, DESC, arguments) for the tensors a pass streams tile by tile (see "Streamed tiles" above).
+
+    With the launch entry's ``desc`` and dense tensors the copy engine can address: host tensor descriptors whose
+    box is one (block_rows, head-dim) tile of one head. Otherwise the tensors themselves, and the entry's tile
+    with its ``without_desc`` overrides applied: the tile that is fastest with descriptors need not be with
+    pointer loads (registers decide, e.g. whether two programs fit on an SM)."""
+    if tile.get("desc", False) and not varlen and all(_descriptor_ok(t) for t in tensors):
+        box = [1, block_rows, 1, _block_d(head_dim)]
+        return tile, True, tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), box) for t in tensors)
+    return {**tile, **tile.get("without_desc", {})}, False, tensors
 
 
 def _dropout_args(dropout_p):
@@ -601,13 +614,14 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
     ``cu_seqlens_*`` given and ``seqlen_*`` the maximum lengths. ``window`` is ``(left, right)`` normalised by
     the caller (no -1; causal folded into right). ``seed`` is a 1-element int64 tensor (used with dropout).
     ``tile`` is the launch configuration: ``block_m``, ``block_n``, ``num_warps`` and optionally ``num_stages``,
-    ``one_loop`` (see ``_fwd_kernel``) and ``heavy_first`` (see ``_tile_of_head``).
+    ``one_loop`` (see ``_fwd_kernel``), ``heavy_first`` (see ``_tile_of_head``), ``desc`` and ``without_desc`` (see
+    ``_streamed``).
     """
     varlen = cu_seqlens_q is not None
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     threshold, keep_scale = _dropout_args(dropout_p)
+    tile, desc, (k_arg, v_arg) = _streamed(tile, varlen, tile["block_n"], head_dim, k, v)
     block_m, block_n = tile["block_m"], tile["block_n"]
-    desc, (k_arg, v_arg) = _streamed(tile, varlen, block_n, head_dim, k, v)
     # Each query tile streams the K and V of its kv head.
     pairs_per_group = _pairs_per_group(tile, window, 2 * seqlen_k * head_dim * k.element_size())
     grid, flat = _tile_grid(cdiv(seqlen_q, block_m), n_batch * n_heads)
@@ -638,6 +652,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     group_size = n_heads // n_kv_heads
     block_d = _block_d(head_dim)
+    dq_tile, dq_desc, (k_arg, v_arg) = _streamed(dq_tile, varlen, dq_tile["block_n"], head_dim, k, v)
+    dkdv_tile, dkdv_desc, (q_arg, dout_arg) = _streamed(dkdv_tile, varlen, dkdv_tile["block_m"], head_dim, q, dout)
     # What one program streams: a kv head's K and V (dQ pass), or the Q and dO of a kv head's group (dK/dV pass).
     dq_pairs_per_group = _pairs_per_group(dq_tile, window, 2 * seqlen_k * head_dim * k.element_size())
     dkdv_pairs_per_group = _pairs_per_group(dkdv_tile, window, 2 * seqlen_q * head_dim * q.element_size() * group_size)
@@ -646,7 +662,6 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     lse_strides = _lse_strides(lse, varlen)
     shared = (scale, softcap, window[0], window[1], seed, threshold, keep_scale)
     flags = dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=dropout_p > 0)
-    dq_desc, (k_arg, v_arg) = _streamed(dq_tile, varlen, dq_tile["block_n"], head_dim, k, v)
     grid, flat = _tile_grid(cdiv(seqlen_q, dq_tile["block_m"]), n_batch * n_heads)
     launch(
         _bwd_dq_kernel, grid,
@@ -659,12 +674,11 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
              BLOCK_D=block_d, FLAT_GRID=flat, ONE_LOOP=dq_tile.get("one_loop", False),
              HEAVY_FIRST=dq_pairs_per_group > 0, DESC=dq_desc),
         dq_tile["num_warps"], dq_tile.get("num_stages"))
-    dkdv_desc, (q_arg, dout_arg) = _streamed(dkdv_tile, varlen, dkdv_tile["block_m"], head_dim, q, dout)
     grid, flat = _tile_grid(cdiv(seqlen_k, dkdv_tile["block_n"]), n_batch * n_kv_heads)
     launch(
         _bwd_dkdv_kernel, grid,
-        (q_arg, k, v, dout_arg, lse, delta, dk, dv, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_kv_heads, group_size, head_dim,
-         dkdv_pairs_per_group, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
+        (q_arg, k, v, dout_arg, lse, delta, dk, dv, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_kv_heads, group_size,
+         head_dim, dkdv_pairs_per_group, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
          *_strides3(v, varlen), *_strides3(dout, varlen), *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides),
         dict(**flags, BLOCK_M=dkdv_tile["block_m"], BLOCK_N=dkdv_tile["block_n"], BLOCK_D=block_d, FLAT_GRID=flat,
              ONE_LOOP=dkdv_tile.get("one_loop", False), HEAVY_FIRST=dkdv_pairs_per_group > 0, DESC=dkdv_desc),

@@ -87,12 +87,16 @@ def reference_leaves(upcast, *tensors):
     return leaves(*(t.float() for t in tensors)) if upcast else leaves(*tensors)
 
 
-@pytest.fixture(params=[False, True], ids=["three-loops", "one-loop"])
-def tile_loop_form(request, fk, monkeypatch):
-    """Every pass in one form of its tile loop, whatever the launch table picks (``one_loop``: the masked edge
-    tiles and the unmasked middle as three loops, or one loop that tests each tile); the CPU table mixes them."""
+@pytest.fixture(params=[(False, False), (True, False), (False, True), (True, True)],
+                ids=["three-loops-pointers", "one-loop-pointers", "three-loops-descriptors", "one-loop-descriptors"])
+def tile_form(request, fk, monkeypatch):
+    """Every pass in one form of its tile loop and of its streamed loads, whatever the launch table picks
+    (``one_loop``: the masked edge tiles and the unmasked middle as three loops, or one loop that tests each tile;
+    ``desc``: partner tiles through tensor descriptors where the batch is dense, else pointer loads)."""
+    one_loop, desc = request.param
     table_pick = fk._flash_attn.pick
-    monkeypatch.setattr(fk._flash_attn, "pick", lambda *args: {**table_pick(*args), "one_loop": request.param})
+    monkeypatch.setattr(fk._flash_attn, "pick",
+                        lambda *args: {**table_pick(*args), "one_loop": one_loop, "desc": desc, "without_desc": {}})
     return request.param
 
 
@@ -134,6 +138,7 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("tile_form")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:6])) + "-" + "-".join(c[6]) if isinstance(
     c, tuple) else str(c))
@@ -144,7 +149,7 @@ def test_matches_reference(fk, poisoned_empty, case, dtype):
     run_and_check(fk, q, k, v, **options)
 
 
-@pytest.mark.usefixtures("tile_loop_form")
+@pytest.mark.usefixtures("tile_form")
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_sink(fk, poisoned_empty, causal):
     torch.manual_seed(3)
@@ -202,7 +207,7 @@ def _varlen_case(lengths_q, lengths_k, heads, kv_heads, dim, dtype, tail=0):
     return q, k, v, cu_q, cu_k
 
 
-@pytest.mark.usefixtures("tile_loop_form")
+@pytest.mark.usefixtures("tile_form")
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_matches_per_sequence_reference(fk, poisoned_empty, causal):
     """Uneven, empty and length-1 sequences, plus rows past cu_seqlens[-1] (they get 0 and zero gradients)."""
@@ -262,7 +267,28 @@ def test_strided_views_are_read_in_place(fk, poisoned_empty):
     torch.testing.assert_close(fk.flash_attn_func(*views, causal=True), expected, rtol=0, atol=0)
 
 
-@pytest.mark.usefixtures("tile_loop_form")
+def test_descriptors_only_where_the_copy_engine_can_address_the_tiles(fk):
+    """A launch entry's ``desc`` is honoured for dense tensors with 16-byte aligned base and strides; a varlen batch
+    (whose boxes would cross sequence ends) and misaligned tensors take pointer loads and the entry's
+    ``without_desc`` tile."""
+    streamed = fk._kernels.flash_attn._streamed
+    tile = {"block_m": 16, "block_n": 32, "num_warps": 4, "one_loop": True, "desc": True,
+            "without_desc": {"one_loop": False}}
+    dense = torch.randn(2, 40, 3, 24, device=DEVICE, dtype=torch.float16)
+    used, desc, (descriptor,) = streamed(tile, False, 32, 24, dense)
+    assert desc and used is tile
+    assert descriptor.base is dense and descriptor.block_shape == [1, 32, 1, 32]
+    assert list(descriptor.shape) == [2, 40, 3, 24] and list(descriptor.strides) == list(dense.stride())
+    heads_of_9 = torch.randn(2, 40, 3, 9, device=DEVICE, dtype=torch.float16)[..., :8]  # 18-byte head stride
+    shifted = torch.randn(2 * 40 * 3 * 24 + 1, device=DEVICE, dtype=torch.float16)[1:].view(2, 40, 3, 24)
+    for varlen, tensor in ((True, dense), (False, heads_of_9), (False, shifted)):
+        used, desc, (passed,) = streamed(tile, varlen, 32, tensor.shape[-1], tensor)
+        assert not desc and passed is tensor
+        assert used == {**tile, "one_loop": False}
+    assert streamed({**tile, "desc": False}, False, 32, 24, dense)[1] is False
+
+
+@pytest.mark.usefixtures("tile_form")
 @pytest.mark.parametrize("with_sink", [False, True], ids=["no_sink", "sink"])
 def test_dropout_matches_reference_with_the_returned_mask(fk, with_sink):
     torch.manual_seed(9)
@@ -461,7 +487,7 @@ def test_grids_and_program_orders_match_the_natural_order(fk, monkeypatch, grid_
         assert torch.equal(expected, got), f"result {index} differs from the natural order on the two-axis grid"
 
 
-@pytest.mark.usefixtures("tile_loop_form")
+@pytest.mark.usefixtures("tile_form")
 def test_window_with_edges_on_both_sides_of_whole_tiles(fk, poisoned_empty):
     """A causal sliding window with soft-capping over enough tiles for masked edges on both sides of unmasked
     middle tiles, with GQA, in both forms of the tile loop."""

@@ -7,6 +7,9 @@ import itertools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from conftest import ON_GPU
 
@@ -45,6 +48,36 @@ def test_cached_launch_matches_first_launch(fk, offset):
         out = torch.full((n_cols + offset,), float("nan"), device="cuda")[offset:]
         launch.launch(kernel, (2,), (partial, out, n_rows, n_cols), {"BLOCK_ROWS": 16, "BLOCK_COLS": 32}, 4)
         torch.testing.assert_close(out, partial.double().sum(0).float(), rtol=1e-5, atol=1e-5)
+
+
+@triton.jit
+def _copy_tile_kernel(source, out_ptr, n_cols, BLOCK: tl.constexpr):
+    """out[:BLOCK, :BLOCK] = one (BLOCK, BLOCK) box of ``source`` at (0, 0), zero past its extent."""
+    tile = source.load([0, 0])
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets[:, None] * BLOCK + offsets[None, :], tile.to(out_ptr.dtype.element_ty))
+
+
+def test_descriptor_keys_separate_every_triton_specialisation(fk):
+    """Host tensor descriptors (the flash-attention passes' streamed tiles): element type, box and extents that
+    Triton specialises on give different keys, and the cached launch reads through the right descriptor."""
+    launch = fk._kernels._launch
+    seen = {}
+    for dtype, rows, cols in itertools.product((torch.float16, torch.bfloat16, torch.float32), (16, 24), (16, 32)):
+        source = torch.randn(rows, cols, device="cuda", dtype=dtype)
+        for block in (16, 32):
+            descriptor = TensorDescriptor(source, [rows, cols], [cols, 1], [block, block])
+            out = torch.full((block, block), float("nan"), device="cuda")
+            args = (descriptor, out, cols)
+            ours = launch._args_key(args)
+            theirs = _triton_specialisation(_copy_tile_kernel, args, {"BLOCK": block}, 4)
+            assert seen.setdefault(ours, theirs) == theirs, f"one key for two specialisations: {dtype} {block}"
+            for _ in range(2):  # the first launch compiles through Triton, the second uses the cache
+                out.fill_(float("nan"))
+                launch.launch(_copy_tile_kernel, (1,), args, {"BLOCK": block}, 4)
+                expected = torch.zeros(block, block, device="cuda")
+                expected[:min(rows, block), :min(cols, block)] = source[:block, :block].float()
+                assert torch.equal(out, expected)
 
 
 def test_constexprs_must_follow_runtime_arguments(fk):
