@@ -43,6 +43,10 @@ DKDV_STAGES = (1, 2, 3)
 ONE_LOOP = (False, True)
 # Streamed tiles through tensor descriptors or pointer loads (``desc``): the freed registers change which tile wins.
 DESC = (False, True)
+# Descriptors cost host time (see ``_streamed`` in kernels_src/flash_attn.py): below this many forward FLOPs an
+# attention's launches ran host-bound on the H200 and pointer loads were faster in wall time (B8 H16 S2048 D64 causal,
+# 6.9e10: 0.23 against 0.32 ms); from 1.4e11 (B4 H16 S4096 D64, B16 H32 S1024 D128) descriptors were.
+DESC_MIN_FLOPS = 10**11
 
 
 def candidates(block_ms, stage_counts):
@@ -81,6 +85,7 @@ def table_entry(label, timed, tiles):
     keys = (set(tile) | set(pointer_tile)) - {"desc"}
     without_desc = {key: pointer_tile.get(key, False) for key in sorted(keys)
                     if tile.get(key, False) != pointer_tile.get(key, False)}
+    tile = {**tile, "desc_min_flops": DESC_MIN_FLOPS}
     return {**tile, "without_desc": without_desc} if without_desc else tile
 
 

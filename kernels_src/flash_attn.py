@@ -586,17 +586,26 @@ def _descriptor_ok(t):
     return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s * size % 16 == 0 for s in t.stride()[:-1])
 
 
-def _streamed(tile, varlen, block_rows, head_dim, *tensors):
+def _streamed(tile, varlen, block_rows, head_dim, flops, *tensors):
     """(tile, DESC, arguments) for the tensors a pass streams tile by tile (see "Streamed tiles" above).
 
-    With the launch entry's ``desc`` and dense tensors the copy engine can address: host tensor descriptors whose
-    box is one (block_rows, head-dim) tile of one head. Otherwise the tensors themselves, and the entry's tile
-    with its ``without_desc`` overrides applied: the tile that is fastest with descriptors need not be with
-    pointer loads (registers decide, e.g. whether two programs fit on an SM)."""
-    if tile.get("desc", False) and not varlen and all(_descriptor_ok(t) for t in tensors):
+    With the launch entry's ``desc``, an attention of at least its ``desc_min_flops`` (forward FLOPs, as the
+    benchmarks count them) and dense tensors the copy engine can address: host tensor descriptors whose box is one
+    (block_rows, head-dim) tile of one head. Otherwise the tensors themselves, and the entry's tile with its
+    ``without_desc`` overrides applied: the tile that is fastest with descriptors need not be with pointer loads
+    (registers decide, e.g. whether two programs fit on an SM). The minimum exists because descriptors cost host
+    time: making and encoding one took ~20 us on the H200's host, which a small attention (whose launches the GPU
+    finishes faster than the host issues them) pays in full; 6 per forward+backward."""
+    if (tile.get("desc", False) and flops >= tile.get("desc_min_flops", 0) and not varlen
+            and all(_descriptor_ok(t) for t in tensors)):
         box = [1, block_rows, 1, _block_d(head_dim)]
         return tile, True, tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), box) for t in tensors)
     return {**tile, **tile.get("without_desc", {})}, False, tensors
+
+
+def _forward_flops(n_batch, n_heads, seqlen_q, seqlen_k, head_dim, window):
+    """4 * b * h * s_q * s_k * d, halved with a causal mask: the size of an attention, as the benchmarks count it."""
+    return 4 * n_batch * n_heads * seqlen_q * seqlen_k * head_dim // (2 if window[1] == 0 else 1)
 
 
 def _dropout_args(dropout_p):
@@ -614,13 +623,14 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
     ``cu_seqlens_*`` given and ``seqlen_*`` the maximum lengths. ``window`` is ``(left, right)`` normalised by
     the caller (no -1; causal folded into right). ``seed`` is a 1-element int64 tensor (used with dropout).
     ``tile`` is the launch configuration: ``block_m``, ``block_n``, ``num_warps`` and optionally ``num_stages``,
-    ``one_loop`` (see ``_fwd_kernel``), ``heavy_first`` (see ``_tile_of_head``), ``desc`` and ``without_desc`` (see
-    ``_streamed``).
+    ``one_loop`` (see ``_fwd_kernel``), ``heavy_first`` (see ``_tile_of_head``), ``desc``, ``desc_min_flops`` and
+    ``without_desc`` (see ``_streamed``).
     """
     varlen = cu_seqlens_q is not None
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     threshold, keep_scale = _dropout_args(dropout_p)
-    tile, desc, (k_arg, v_arg) = _streamed(tile, varlen, tile["block_n"], head_dim, k, v)
+    flops = _forward_flops(n_batch, n_heads, seqlen_q, seqlen_k, head_dim, window)
+    tile, desc, (k_arg, v_arg) = _streamed(tile, varlen, tile["block_n"], head_dim, flops, k, v)
     block_m, block_n = tile["block_m"], tile["block_n"]
     # Each query tile streams the K and V of its kv head.
     pairs_per_group = _pairs_per_group(tile, window, 2 * seqlen_k * head_dim * k.element_size())
@@ -652,8 +662,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     group_size = n_heads // n_kv_heads
     block_d = _block_d(head_dim)
-    dq_tile, dq_desc, (k_arg, v_arg) = _streamed(dq_tile, varlen, dq_tile["block_n"], head_dim, k, v)
-    dkdv_tile, dkdv_desc, (q_arg, dout_arg) = _streamed(dkdv_tile, varlen, dkdv_tile["block_m"], head_dim, q, dout)
+    flops = _forward_flops(n_batch, n_heads, seqlen_q, seqlen_k, head_dim, window)
+    dq_tile, dq_desc, (k_arg, v_arg) = _streamed(dq_tile, varlen, dq_tile["block_n"], head_dim, flops, k, v)
+    dkdv_tile, dkdv_desc, (q_arg, dout_arg) = _streamed(dkdv_tile, varlen, dkdv_tile["block_m"], head_dim, flops, q,
+                                                        dout)
     # What one program streams: a kv head's K and V (dQ pass), or the Q and dO of a kv head's group (dK/dV pass).
     dq_pairs_per_group = _pairs_per_group(dq_tile, window, 2 * seqlen_k * head_dim * k.element_size())
     dkdv_pairs_per_group = _pairs_per_group(dkdv_tile, window, 2 * seqlen_q * head_dim * q.element_size() * group_size)

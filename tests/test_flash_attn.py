@@ -96,7 +96,8 @@ def tile_form(request, fk, monkeypatch):
     one_loop, desc = request.param
     table_pick = fk._flash_attn.pick
     monkeypatch.setattr(fk._flash_attn, "pick",
-                        lambda *args: {**table_pick(*args), "one_loop": one_loop, "desc": desc, "without_desc": {}})
+                        lambda *args: {**table_pick(*args), "one_loop": one_loop, "desc": desc, "desc_min_flops": 0,
+                                       "without_desc": {}})
     return request.param
 
 
@@ -268,24 +269,25 @@ def test_strided_views_are_read_in_place(fk, poisoned_empty):
 
 
 def test_descriptors_only_where_the_copy_engine_can_address_the_tiles(fk):
-    """A launch entry's ``desc`` is honoured for dense tensors with 16-byte aligned base and strides; a varlen batch
-    (whose boxes would cross sequence ends) and misaligned tensors take pointer loads and the entry's
-    ``without_desc`` tile."""
+    """A launch entry's ``desc`` is honoured for dense tensors with 16-byte aligned base and strides in an attention
+    of at least ``desc_min_flops``; a varlen batch (whose boxes would cross sequence ends), misaligned tensors and
+    smaller attentions take pointer loads and the entry's ``without_desc`` tile."""
     streamed = fk._kernels.flash_attn._streamed
-    tile = {"block_m": 16, "block_n": 32, "num_warps": 4, "one_loop": True, "desc": True,
+    tile = {"block_m": 16, "block_n": 32, "num_warps": 4, "one_loop": True, "desc": True, "desc_min_flops": 1000,
             "without_desc": {"one_loop": False}}
     dense = torch.randn(2, 40, 3, 24, device=DEVICE, dtype=torch.float16)
-    used, desc, (descriptor,) = streamed(tile, False, 32, 24, dense)
+    used, desc, (descriptor,) = streamed(tile, False, 32, 24, 1000, dense)
     assert desc and used is tile
     assert descriptor.base is dense and descriptor.block_shape == [1, 32, 1, 32]
     assert list(descriptor.shape) == [2, 40, 3, 24] and list(descriptor.strides) == list(dense.stride())
     heads_of_9 = torch.randn(2, 40, 3, 9, device=DEVICE, dtype=torch.float16)[..., :8]  # 18-byte head stride
     shifted = torch.randn(2 * 40 * 3 * 24 + 1, device=DEVICE, dtype=torch.float16)[1:].view(2, 40, 3, 24)
-    for varlen, tensor in ((True, dense), (False, heads_of_9), (False, shifted)):
-        used, desc, (passed,) = streamed(tile, varlen, 32, tensor.shape[-1], tensor)
+    for varlen, flops, tensor in ((True, 1000, dense), (False, 1000, heads_of_9), (False, 1000, shifted),
+                                  (False, 999, dense)):
+        used, desc, (passed,) = streamed(tile, varlen, 32, tensor.shape[-1], flops, tensor)
         assert not desc and passed is tensor
         assert used == {**tile, "one_loop": False}
-    assert streamed({**tile, "desc": False}, False, 32, 24, dense)[1] is False
+    assert streamed({**tile, "desc": False}, False, 32, 24, 1000, dense)[1] is False
 
 
 @pytest.mark.usefixtures("tile_form")
