@@ -214,6 +214,7 @@ def _fwd_tile(acc, m_i, l_i, q, rows, dims, col_start, k_ptr, v_ptr, batch, batc
     else:
         col_mask = (dims < head_dim)[None, :]
     if DESC:
+        # Descriptors serve dense batches only (``_streamed``), whose sequences start at row 0 (k_start is 0).
         k = k_ptr.load([batch, col_start, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
     else:
         k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
