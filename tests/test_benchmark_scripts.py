@@ -118,6 +118,27 @@ def test_rms_norm_tuner_keeps_untuned_buckets(monkeypatch):
     assert entries == [entry if entry["max_cols"] != 65536 else {"max_cols": 65536, **tuned} for entry in current]
 
 
+def test_flash_attn_tuner_keeps_the_pointer_tile_for_descriptor_entries(monkeypatch):
+    """tune_flash_attn.py: ``fastest`` returns the fastest tile overall and the fastest with pointer loads, and
+    ``table_entry`` turns a descriptor winner into an entry that keeps the pointer tile's differences as
+    ``without_desc`` (what varlen batches and small attentions run), each tile with its faster program order."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import tune_flash_attn
+
+    def timed(tile):  # descriptors help, the one-loop form only with them, heavy-first helps pointer tiles
+        if tile["num_warps"] == 4 and tile["num_stages"] == 3:
+            raise RuntimeError("out of resources")
+        return (1.0 - 0.1 * tile["desc"] - 0.05 * (tile["one_loop"] == tile["desc"])
+                - 0.01 * tile.get("heavy_first", False) * (not tile["desc"]) + 0.001 * tile["block_n"] / 128)
+
+    best, pointers = tune_flash_attn.fastest("test", timed)
+    assert best["desc"] and best["one_loop"] and not pointers["desc"] and not pointers["one_loop"]
+    entry = tune_flash_attn.table_entry("test", timed, (best, pointers))
+    assert entry == {**best, "desc_min_flops": tune_flash_attn.DESC_MIN_FLOPS,
+                     "without_desc": {"heavy_first": True, "one_loop": False}}
+    assert tune_flash_attn.table_entry("test", timed, (pointers, pointers)) == {**pointers, "heavy_first": True}
+
+
 def test_suite_times_providers_in_interleaved_rounds(monkeypatch):
     """harness.run_benchmark times every provider in ROUNDS rounds that take the providers in turn, and a row
     keeps its fastest round; a provider failing the correctness gate is not timed (WRONG), and one that raises
