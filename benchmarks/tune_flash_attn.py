@@ -39,7 +39,7 @@ STAGES = (2, 3)
 DKDV_STAGES = (1, 2, 3)
 # Each pass's tile loop as three specialised loops or as one (``one_loop``; see kernels_src/flash_attn.py): which
 # is faster depends on the pass and head dim (on the H200 one loop won in dK/dV at every head dim and in the forward
-# at 256, and lost in dQ and in the forwards at 64 and 128).
+# at 256, lost in dQ, and in the forwards at 64 and 128 won with descriptor loads and lost with pointer loads).
 ONE_LOOP = (False, True)
 # Streamed tiles through tensor descriptors or pointer loads (``desc``): the freed registers change which tile wins.
 DESC = (False, True)
@@ -78,7 +78,7 @@ def fastest(label, timed, block_ms=BLOCK_M, stage_counts=STAGES):
 def table_entry(label, timed, tiles):
     """The launch entry from ``fastest``'s pair, each with its faster program order: the fastest tile, and when it
     streams through descriptors, the fastest pointer-load tile's differences as ``without_desc`` (what runs where
-    descriptors cannot be used: varlen batches, misaligned tensors)."""
+    descriptors cannot be used: varlen batches, misaligned tensors, attentions below ``DESC_MIN_FLOPS``)."""
     tile, pointer_tile = (with_order(label, timed, t) for t in tiles)
     if not tile["desc"]:
         return tile

@@ -52,7 +52,8 @@ def test_cached_launch_matches_first_launch(fk, offset):
 
 @triton.jit
 def _copy_tile_kernel(source, out_ptr, n_cols, BLOCK: tl.constexpr):
-    """out[:BLOCK, :BLOCK] = one (BLOCK, BLOCK) box of ``source`` at (0, 0), zero past its extent."""
+    """out[:BLOCK, :BLOCK] = one (BLOCK, BLOCK) box of ``source`` at (0, 0), zero past its extent (``n_cols``: an
+    integer argument beside the descriptor, as the attention kernels have)."""
     tile = source.load([0, 0])
     offsets = tl.arange(0, BLOCK)
     tl.store(out_ptr + offsets[:, None] * BLOCK + offsets[None, :], tile.to(out_ptr.dtype.element_ty))
