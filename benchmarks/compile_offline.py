@@ -19,7 +19,6 @@ import importlib
 import os
 import re
 import sys
-import types
 from pathlib import Path
 
 # Compiling needs the real JIT functions, not the interpreter's (a test run on a CPU machine exports it).
@@ -51,12 +50,11 @@ RMS_NORM_TILES = [("forward", 2, 1024, True, None), ("forward", 1, 1024, False, 
 
 
 def load_kernels(family):
-    """``kernels_src/<family>.py``, imported as a member of a package so that its relative imports resolve."""
-    if "fused_kernels_src" not in sys.modules:
-        package = types.ModuleType("fused_kernels_src")
-        package.__path__ = [str(REPO_ROOT / "kernels_src")]
-        sys.modules["fused_kernels_src"] = package
-    return importlib.import_module(f"fused_kernels_src.{family}")
+    """``kernels_src/<family>.py``, imported from the package (as register_report.py does) so that its relative
+    imports resolve."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    return importlib.import_module(f"kernels_src.{family}")
 
 
 def signature_and_attrs(kernel, pointer_type, layout, fp32_pointers=()):
