@@ -13,6 +13,9 @@ LARGE_ROW_HIDDEN_SIZES = (65536, 131072)  # at T=4096; peers that cannot run row
 # At T=16384: rows that start off 16-byte boundaries (bf16 rows of 4095 elements) or on them without a stride that
 # Triton can tell is a multiple of 16 elements (5000).
 ODD_HIDDEN_SIZES = (4095, 5000)
+# At T=16384: models' hidden sizes between powers of two (Gemma-2-2B's 2304, Qwen3-4B's 2560), whose rows pad their
+# whole-row tile to 4096 columns.
+MODEL_HIDDEN_SIZES = (2304, 2560)
 FUSED_ADD_SHAPE = {"T": 16384, "H": 4096}
 QUICK_SHAPES = ({"T": 128, "H": 256}, {"T": 128, "H": 1000})  # 1000: a row length that is not a power of two
 
@@ -80,7 +83,7 @@ def norm_cases(quick: bool) -> list[Case]:
         return [Case(shape) for shape in QUICK_SHAPES]
     grid = [Case({"T": rows, "H": hidden}) for rows in ROW_COUNTS for hidden in HIDDEN_SIZES]
     return (grid + [Case({"T": 4096, "H": hidden}) for hidden in LARGE_ROW_HIDDEN_SIZES]
-            + [Case({"T": 16384, "H": hidden}) for hidden in ODD_HIDDEN_SIZES])
+            + [Case({"T": 16384, "H": hidden}) for hidden in ODD_HIDDEN_SIZES + MODEL_HIDDEN_SIZES])
 
 
 def benchmarks(env: Env) -> list[OpBenchmark]:
