@@ -79,9 +79,9 @@ def table_entry(label, timed, tiles):
     """The launch entry from ``fastest``'s pair, each with its faster program order: the fastest tile, and when it
     streams through descriptors, the fastest pointer-load tile's differences as ``without_desc`` (what runs where
     descriptors cannot be used: varlen batches, misaligned tensors, attentions below ``DESC_MIN_FLOPS``)."""
+    if not tiles[0]["desc"]:  # the fastest tile is the fastest pointer-load tile: no second order timing
+        return with_order(label, timed, tiles[0])
     tile, pointer_tile = (with_order(label, timed, t) for t in tiles)
-    if not tile["desc"]:
-        return tile
     keys = (set(tile) | set(pointer_tile)) - {"desc"}
     without_desc = {key: pointer_tile.get(key, False) for key in sorted(keys)
                     if tile.get(key, False) != pointer_tile.get(key, False)}
