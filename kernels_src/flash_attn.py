@@ -317,19 +317,21 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _recomputed_p(qk, lse_log2, scale, softcap, HAS_SOFTCAP: tl.constexpr):
-    """P = exp2(scores - lse) of the dK/dV pass's recomputed tile, and the scores in log2 units (``lse_log2`` comes
-    broadcast against qk). Without a soft cap the scores are needed only here, and each enters exp2 through one fma
-    (qk * scale*log2(e) - lse) instead of two multiplies and a subtraction, as in the forward: the loop's
-    elementwise work competes with its matmuls (H200, backward at head dim 128: B2 Hq32 Hk8 S8192 causal 7243 ->
-    6891 us, B1 S16384 13574 -> 12933, B8 Hq16 Hk8 S4096 3661 -> 3575, MHA 4k causal level). The second value is
-    then q.k itself, which no caller reads. The dQ pass keeps ``_scores_log2``: there the same change took the
-    head-dim-128 tile from 196 registers to 255 and spills (offline, sm_90a) and the backward 1-1.5% slower."""
-    if HAS_SOFTCAP:
+def _recomputed_p(qk, lse_log2, scale, softcap, HAS_SOFTCAP: tl.constexpr, ONE_FMA: tl.constexpr):
+    """P = exp2(scores - lse) of a backward tile recomputed from q.k, and the scores in log2 units (``lse_log2``
+    comes broadcast against qk).
+
+    ONE_FMA (no soft cap; the scores are then needed only here): each score enters exp2 through one fma
+    (qk * scale*log2(e) - lse) instead of two multiplies and a subtraction, as in the forward, and the second value
+    is q.k itself, which no caller reads. The loop's elementwise work competes with its matmuls: in the dK/dV pass
+    this made the backward faster on the H200 at head dim 128 (B2 Hq32 Hk8 S8192 causal 7243 -> 6891 us, B1 S16384
+    13574 -> 12933, B8 Hq16 Hk8 S4096 3661 -> 3575, MHA 4k causal level). The dQ pass does without it: there it took
+    the head-dim-128 tile from 196 registers to 255 and spills (offline, sm_90a) and the backward 1-1.5% slower."""
+    if ONE_FMA and not HAS_SOFTCAP:
+        return tl.exp2(qk * (scale * LOG2E) - lse_log2), qk
+    else:
         s = _scores_log2(qk, scale, softcap, HAS_SOFTCAP)
         return tl.exp2(s - lse_log2), s
-    else:
-        return tl.exp2(qk * (scale * LOG2E) - lse_log2), qk
 
 
 @triton.jit
@@ -337,8 +339,7 @@ def _probabilities(q, k, lse_log2, rows, cols, seqlen_q, seqlen_k, scale, softca
                    edge, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     """P of a (rows, cols) tile recomputed from the lse (0 where MASKED edge tiles mask), and the scores in log2
     units. Rows past the sequence have lse = +inf, so their P is 0 in every tile."""
-    s = _scores_log2(tl.dot(q, tl.trans(k)), scale, softcap, HAS_SOFTCAP)
-    p = tl.exp2(s - lse_log2[:, None])
+    p, s = _recomputed_p(tl.dot(q, tl.trans(k)), lse_log2[:, None], scale, softcap, HAS_SOFTCAP, False)
     if MASKED:
         if edge:
             p = tl.where(_visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right), p,
@@ -373,7 +374,7 @@ def _dkdv_tile(dk, dv, k, v, cols, dims, row_start, q_ptr, do_ptr, lse_ptr, delt
     row_offsets = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start + rows
     lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seqlen_q, other=float("inf")) * LOG2E
     delta = tl.load(delta_ptr + row_offsets, mask=rows < seqlen_q, other=0.0)
-    p_t, s_t = _recomputed_p(tl.dot(k, q_t), lse_log2[None, :], scale, softcap, HAS_SOFTCAP)
+    p_t, s_t = _recomputed_p(tl.dot(k, q_t), lse_log2[None, :], scale, softcap, HAS_SOFTCAP, True)
     if MASKED:
         if edge:
             p_t = tl.where(_visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right),
