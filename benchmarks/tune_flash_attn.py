@@ -4,7 +4,7 @@ Per head dim (64, 128, 256; rows ``max_cols`` of the table are head dims), on b=
 heads, causal, bf16 (the shape class of h200-baselines.md): the forward's tile is the candidate with the fastest
 forward; then the backward's two passes by coordinate descent: the dK/dV tile with the dQ tile fixed at the
 current table's, then the dQ tile with the best dK/dV one; each pass's tile then with and without ``heavy_first``
-(the order of its programs). Candidates that do not fit (shared memory, registers) fail to launch and are skipped.
+(the order of its programs), and the dK/dV tile with and without ``group_loop``. Candidates that do not fit (shared memory, registers) fail to launch and are skipped.
 The result is data: the package reads it at run time and never autotunes.
 
     python benchmarks/tune_flash_attn.py --build <variants dir> [--write torch-ext/fused_kernels/configs/flash_attn.json]
@@ -99,6 +99,15 @@ def with_order(label, timed, tile):
     return heavy if heavy_ms < natural_ms else tile
 
 
+def with_group_loop(label, timed, entry):
+    """The dK/dV ``entry``, with ``group_loop`` if that is faster: MHA (the tuning shape) compiled with the pass's
+    loop over a kv head's query heads kept, or without it (see ``_bwd_dkdv_kernel``)."""
+    looped = {**entry, "group_loop": True}
+    plain_ms, looped_ms = timed(entry), timed(looped)
+    print(f"{label} MHA: without the group loop {plain_ms * 1e3:.1f} us, with it {looped_ms * 1e3:.1f} us", flush=True)
+    return looped if looped_ms < plain_ms else entry
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", type=Path, required=True, help="directory of built variants")
@@ -142,8 +151,9 @@ def main():
         row = None if head_dim == HEAD_DIMS[-1] else head_dim
         current = {key: value for key, value in tuned["backward_dq"][row].items() if key != "max_cols"}
         dkdv_timed = lambda tile: backward(tile, current)  # noqa: E731
-        dkdv_tile = table_entry(f"d={head_dim} backward dK/dV", dkdv_timed,
-                                fastest(f"d={head_dim} backward dK/dV", dkdv_timed, DKDV_BLOCK_M, DKDV_STAGES))
+        dkdv_tile = with_group_loop(f"d={head_dim} backward dK/dV", dkdv_timed, table_entry(
+            f"d={head_dim} backward dK/dV", dkdv_timed,
+            fastest(f"d={head_dim} backward dK/dV", dkdv_timed, DKDV_BLOCK_M, DKDV_STAGES)))
         dq_timed = lambda tile: backward(dkdv_tile, tile)  # noqa: E731
         dq_tile = table_entry(f"d={head_dim} backward dQ", dq_timed, fastest(f"d={head_dim} backward dQ", dq_timed))
         for kernel, tile in (("forward", forward_tile), ("backward_dkdv", dkdv_tile), ("backward_dq", dq_tile)):

@@ -87,17 +87,22 @@ def reference_leaves(upcast, *tensors):
     return leaves(*(t.float() for t in tensors)) if upcast else leaves(*tensors)
 
 
-@pytest.fixture(params=[(False, False), (True, False), (False, True), (True, True)],
-                ids=["three-loops-pointers", "one-loop-pointers", "three-loops-descriptors", "one-loop-descriptors"])
+@pytest.fixture(params=[(False, False, False), (True, False, False), (False, True, False), (True, True, False),
+                        (True, True, True)],
+                ids=["three-loops-pointers", "one-loop-pointers", "three-loops-descriptors", "one-loop-descriptors",
+                     "pipelined-descriptors"])
 def tile_form(request, fk, monkeypatch):
     """Every pass in one form of its tile loop and of its streamed loads, whatever the launch table picks
     (``one_loop``: the masked edge tiles and the unmasked middle as three loops, or one loop that tests each tile;
-    ``desc``: partner tiles through tensor descriptors where the batch is dense, else pointer loads)."""
-    one_loop, desc = request.param
+    ``desc``: partner tiles through tensor descriptors where the batch is dense, else pointer loads; ``pipelined``:
+    the forward's loop computing the next tile's scores ahead). The one-loop forms also keep the dK/dV pass's loop
+    over a kv head's query heads with MHA (``group_loop``), the three-loop forms compile it out: both MHA kernels
+    run in every test that uses this fixture."""
+    one_loop, desc, pipelined = request.param
     table_pick = fk._flash_attn.pick
     monkeypatch.setattr(fk._flash_attn, "pick",
                         lambda *args: {**table_pick(*args), "one_loop": one_loop, "desc": desc, "desc_min_flops": 0,
-                                       "without_desc": {}})
+                                       "group_loop": one_loop, "pipelined": pipelined, "without_desc": {}})
     return request.param
 
 
