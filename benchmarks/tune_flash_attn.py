@@ -4,7 +4,8 @@ Per head dim (64, 128, 256; rows ``max_cols`` of the table are head dims), on b=
 heads, causal, bf16 (the shape class of h200-baselines.md): the forward's tile is the candidate with the fastest
 forward; then the backward's two passes by coordinate descent: the dK/dV tile with the dQ tile fixed at the
 current table's, then the dQ tile with the best dK/dV one; each pass's tile then with and without ``heavy_first``
-(the order of its programs), and the dK/dV tile with and without ``group_loop``. Candidates that do not fit (shared memory, registers) fail to launch and are skipped.
+(the order of its programs), the forward's with and without ``pipelined`` and the dK/dV tile's with and without
+``group_loop``. Candidates that do not fit (shared memory, registers) fail to launch and are skipped.
 The result is data: the package reads it at run time and never autotunes.
 
     python benchmarks/tune_flash_attn.py --build <variants dir> [--write torch-ext/fused_kernels/configs/flash_attn.json]
@@ -99,13 +100,24 @@ def with_order(label, timed, tile):
     return heavy if heavy_ms < natural_ms else tile
 
 
-def with_group_loop(label, timed, entry):
-    """The dK/dV ``entry``, with ``group_loop`` if that is faster: MHA (the tuning shape) compiled with the pass's
-    loop over a kv head's query heads kept, or without it (see ``_bwd_dkdv_kernel``)."""
-    looped = {**entry, "group_loop": True}
-    plain_ms, looped_ms = timed(entry), timed(looped)
-    print(f"{label} MHA: without the group loop {plain_ms * 1e3:.1f} us, with it {looped_ms * 1e3:.1f} us", flush=True)
-    return looped if looped_ms < plain_ms else entry
+def with_switch(label, timed, entry, key):
+    """``entry`` with the launch switch ``key`` on if that is faster (a variant that cannot run is not): the
+    forward's ``pipelined`` (see ``_fwd_tile`` in kernels_src/flash_attn.py) and the dK/dV pass's ``group_loop``
+    (``_bwd_dkdv_kernel``; the tuning shape is MHA, where it matters). An entry streaming through descriptors was
+    timed with them only, so its pointer-load fallback keeps the switch off."""
+    switched = {**entry, key: True}
+    plain_ms = timed(entry)
+    try:
+        switched_ms = timed(switched)
+    except Exception as error:  # noqa: BLE001 - out of resources and the like
+        print(f"{label} {key}: off {plain_ms * 1e3:.1f} us, on skipped ({type(error).__name__})", flush=True)
+        return entry
+    print(f"{label} {key}: off {plain_ms * 1e3:.1f} us, on {switched_ms * 1e3:.1f} us", flush=True)
+    if switched_ms >= plain_ms:
+        return entry
+    if entry.get("desc", False):
+        switched["without_desc"] = {**entry.get("without_desc", {}), key: False}
+    return switched
 
 
 def main():
@@ -136,7 +148,8 @@ def main():
             run()
             return do_bench(run, warmup=10, rep=50)
 
-        forward_tile = table_entry(f"d={head_dim} forward", forward, fastest(f"d={head_dim} forward", forward))
+        forward_tile = with_switch(f"d={head_dim} forward", forward, table_entry(
+            f"d={head_dim} forward", forward, fastest(f"d={head_dim} forward", forward)), "pipelined")
         attn.flash_attn_forward(q, k, v, out, lse, None, seed, *common, tile=forward_tile)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
@@ -151,9 +164,9 @@ def main():
         row = None if head_dim == HEAD_DIMS[-1] else head_dim
         current = {key: value for key, value in tuned["backward_dq"][row].items() if key != "max_cols"}
         dkdv_timed = lambda tile: backward(tile, current)  # noqa: E731
-        dkdv_tile = with_group_loop(f"d={head_dim} backward dK/dV", dkdv_timed, table_entry(
+        dkdv_tile = with_switch(f"d={head_dim} backward dK/dV", dkdv_timed, table_entry(
             f"d={head_dim} backward dK/dV", dkdv_timed,
-            fastest(f"d={head_dim} backward dK/dV", dkdv_timed, DKDV_BLOCK_M, DKDV_STAGES)))
+            fastest(f"d={head_dim} backward dK/dV", dkdv_timed, DKDV_BLOCK_M, DKDV_STAGES)), "group_loop")
         dq_timed = lambda tile: backward(dkdv_tile, tile)  # noqa: E731
         dq_tile = table_entry(f"d={head_dim} backward dQ", dq_timed, fastest(f"d={head_dim} backward dQ", dq_timed))
         for kernel, tile in (("forward", forward_tile), ("backward_dkdv", dkdv_tile), ("backward_dq", dq_tile)):

@@ -233,8 +233,9 @@ def _fwd_tile(acc, m_i, l_i, qk_given, q, rows, dims, col_start, k_ptr, v_ptr, b
     issuing it when the loop uses that result, and matmuls complete in order: so the wait for the next q.k, issued
     there, lets P.V run on the tensor cores while the next tile's exponentials run. On the H200 that made the
     head-dim-256 forward 6-14% faster (B2 Hq16 Hk8 S8192 causal 2129 -> 1999 us, B4 H16 S4096 full 2212 -> 1938, B8
-    Hq8 Hk4 S2048 causal 347 -> 315) and those at 64 and 128 slower (64: 358 -> 499 us; 128: 1-3%, and 128 x 128
-    tiles no longer fit in shared memory at three stages): their registers were already full."""
+    Hq8 Hk4 S2048 causal 347 -> 315) and those at 64 and 128 slower (64: 358 -> 499 us, at 150 registers instead of
+    118, past the 128 that let two programs share an SM; 128: 1-3%, at 255 registers, and its 128 x 128 tile no
+    longer fits in shared memory at three stages)."""
     cols = col_start + tl.arange(0, BLOCK_N)
     if MASKED:
         col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]

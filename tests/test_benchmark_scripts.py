@@ -139,6 +139,29 @@ def test_flash_attn_tuner_keeps_the_pointer_tile_for_descriptor_entries(monkeypa
     assert tune_flash_attn.table_entry("test", timed, (pointers, pointers)) == {**pointers, "heavy_first": True}
 
 
+def test_flash_attn_tuner_switches(monkeypatch):
+    """tune_flash_attn.py: ``with_switch`` turns a launch switch on only when that is faster and runs; a descriptor
+    entry's pointer-load fallback (not timed with the switch) keeps it off."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import tune_flash_attn
+
+    entry = {"block_m": 128, "block_n": 64, "desc": True, "without_desc": {"one_loop": False}}
+    faster = lambda tile: 1.0 - 0.1 * tile.get("pipelined", False)  # noqa: E731
+    slower = lambda tile: 1.0 + 0.1 * tile.get("pipelined", False)  # noqa: E731
+
+    def failing(tile):
+        if tile.get("pipelined"):
+            raise RuntimeError("out of resources")
+        return 1.0
+
+    assert tune_flash_attn.with_switch("test", faster, entry, "pipelined") == {
+        **entry, "pipelined": True, "without_desc": {"one_loop": False, "pipelined": False}}
+    assert tune_flash_attn.with_switch("test", slower, entry, "pipelined") == entry
+    assert tune_flash_attn.with_switch("test", failing, entry, "pipelined") == entry
+    pointers = {"block_m": 64, "desc": False}
+    assert tune_flash_attn.with_switch("test", faster, pointers, "pipelined") == {**pointers, "pipelined": True}
+
+
 def test_suite_times_providers_in_interleaved_rounds(monkeypatch):
     """harness.run_benchmark times every provider in ROUNDS rounds that take the providers in turn, and a row
     keeps its fastest round; a provider failing the correctness gate is not timed (WRONG), and one that raises
