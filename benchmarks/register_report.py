@@ -47,6 +47,9 @@ import kernels_src  # noqa: E402  (the package, importable from the repository r
 from launch_tables import package_launch_config, read_table  # noqa: E402
 
 KERNELS = {"forward": "forward", "dkdv": "backward_dkdv", "dq": "backward_dq"}
+# Each pass's on/off launch switch besides one_loop and desc (see kernels_src/flash_attn.py): the forward's
+# ``pipelined`` and the dK/dV pass's ``group_loop``; the dQ pass has none.
+SWITCHES = {"forward": "pipelined", "dkdv": "group_loop"}
 _POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
                   torch.int32: "*i32", torch.bool: "*i1"}
 
@@ -149,12 +152,16 @@ def shipped_tile(table, kernel, device, head_dim):
 def parse_tile(text):
     kernel, values = text.split("=")
     fields = [int(x) for x in values.split(",")]
-    if kernel not in KERNELS or len(fields) not in (4, 5, 6):
+    if kernel not in KERNELS or len(fields) not in (4, 5, 6, 7) or (len(fields) == 7 and kernel not in SWITCHES):
         raise argparse.ArgumentTypeError("--tile: expected KERNEL=block_m,block_n,num_warps,num_stages"
-                                         f"[,one_loop[,desc]] with KERNEL one of {sorted(KERNELS)}, got {text!r}")
-    block_m, block_n, warps, stages, one_loop, desc = fields + [0] * (6 - len(fields))
-    return KERNELS[kernel], {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
-                             "one_loop": bool(one_loop), "desc": bool(desc)}
+                                         f"[,one_loop[,desc[,switch]]] with KERNEL one of {sorted(KERNELS)} (a switch "
+                                         f"only for {sorted(SWITCHES)}), got {text!r}")
+    block_m, block_n, warps, stages, one_loop, desc, switch = fields + [0] * (7 - len(fields))
+    tile = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
+            "one_loop": bool(one_loop), "desc": bool(desc)}
+    if kernel in SWITCHES:
+        tile[SWITCHES[kernel]] = bool(switch)
+    return KERNELS[kernel], tile
 
 
 def main():
@@ -164,8 +171,9 @@ def main():
     parser.add_argument("--device", default="NVIDIA H200", help="the launch table's device whose tiles are compiled")
     parser.add_argument("--tile", type=parse_tile, action="append", default=[],
                         help="override one kernel's tile: KERNEL=block_m,block_n,num_warps,num_stages"
-                             "[,one_loop[,desc]] (KERNEL: forward, dkdv or dq; one_loop 1: the tile loop as one loop; "
-                             "desc 1: streamed tiles through tensor descriptors; both default 0)")
+                             "[,one_loop[,desc[,switch]]] (KERNEL: forward, dkdv or dq; one_loop 1: the tile loop as "
+                             "one loop; desc 1: streamed tiles through tensor descriptors; switch 1: the forward "
+                             "pipelined, the dK/dV pass's group loop kept with MHA; all default 0)")
     parser.add_argument("--kernels", nargs="+", choices=sorted(KERNELS), default=sorted(KERNELS))
     parser.add_argument("--source", type=Path,
                         help="a modified copy of kernels_src/flash_attn.py to compile instead (to screen a change)")
@@ -175,7 +183,7 @@ def main():
     table = read_table(None, "flash_attn")
     flash_attn = load_kernels(args.source)
     wanted = {f"_{'fwd' if k == 'forward' else 'bwd_' + k}_kernel" for k in args.kernels}
-    print("| head dim | group | kernel | tile (block_m x block_n, warps, stages, loops) | registers "
+    print("| head dim | group | kernel | tile (block_m x block_n, warps, stages, loop form) | registers "
           "| spill stores / loads (bytes) |")
     print("|---|---|---|---|---|---|")
     for head_dim in args.head_dims:
@@ -188,7 +196,9 @@ def main():
                     continue  # only dK/dV loops over the group; elsewhere the group size is one index division
                 registers, stores, loads = registers_and_spills(kernel, launch_args, constexprs, warps, stages,
                                                                 args.arch)
-                loops = "one loop" if constexprs.get("ONE_LOOP") else "three loops"
+                loops = "one loop" if constexprs.get("ONE_LOOP") or constexprs.get("PIPELINED") else "three loops"
+                loops += ", pipelined" if constexprs.get("PIPELINED") else ""
+                loops += ", group loop" if group == 1 and constexprs.get("SINGLE_HEAD") is False else ""
                 tile = (f"{constexprs['BLOCK_M']}x{constexprs['BLOCK_N']}, {warps}, {stages if stages else 'default'}, "
                         f"{loops}")
                 print(f"| {head_dim} | {group} | {name.strip('_')} | {tile} | {registers} | {stores} / {loads} |",

@@ -6,6 +6,7 @@ our output is not allclose to the reference). The timings are meaningful only on
 Also the comparative suite `benchmarks/run.py` for attention: its smoke run, and the chunked float32 reference
 that checks every provider (on the GPU it runs at s=16384, where only its chunking makes it fit)."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -207,6 +208,25 @@ def test_suite_times_providers_in_interleaved_rounds(monkeypatch):
     assert rows[harness.OURS].ratio_vs_best_peer == 0.5
     assert rows["wrong"].status == "WRONG" and rows["wrong"].ms is None
     assert rows["flaky"].status == "unsupported" and "cannot run this" in rows["flaky"].note
+
+
+def test_register_report_tile_overrides(monkeypatch):
+    """`register_report.py --tile`: four to seven fields, the seventh the pass's launch switch (the forward's
+    ``pipelined``, the dK/dV pass's ``group_loop``; the dQ pass has none), off unless given."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import register_report
+
+    assert register_report.parse_tile("forward=128,64,8,2,1,1,1") == ("forward", {
+        "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "one_loop": True, "desc": True,
+        "pipelined": True})
+    assert register_report.parse_tile("dkdv=64,128,8,3") == ("backward_dkdv", {
+        "block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3, "one_loop": False, "desc": False,
+        "group_loop": False})
+    assert register_report.parse_tile("dq=128,64,8,3,0,1")[1] == {
+        "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "one_loop": False, "desc": True}
+    for bad in ("dq=128,64,8,3,0,1,1", "forward=128,64,8", "attn=64,64,4,2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            register_report.parse_tile(bad)
 
 
 @pytest.mark.skipif(ON_GPU, reason="an offline tool for machines without a GPU (there, compiled kernels report "
