@@ -200,6 +200,16 @@ def _tile_of_head(seqlen, pairs_per_group, BLOCK: tl.constexpr, FLAT_GRID: tl.co
 
 
 @triton.jit
+def _key_mask(cols, dims, seqlen_k, head_dim, MASKED: tl.constexpr):
+    """Which elements of a (keys, head dim) tile exist: MASKED tiles may run past the sequence; the head dim is
+    always checked (BLOCK_D is a power of two)."""
+    if MASKED:
+        return (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
+    else:
+        return (dims < head_dim)[None, :]
+
+
+@triton.jit
 def _fwd_scores(q, k_ptr, batch, kv_head, k_start, col_start, dims, seqlen_k, head_dim, stride_kb, stride_ks,
                 stride_kh, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr):
     """q.k of the key tile at col_start; MASKED: keys past the sequence load as zeros."""
@@ -208,12 +218,8 @@ def _fwd_scores(q, k_ptr, batch, kv_head, k_start, col_start, dims, seqlen_k, he
         k = k_ptr.load([batch, col_start, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
     else:
         cols = col_start + tl.arange(0, BLOCK_N)
-        if MASKED:
-            col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
-        else:
-            col_mask = (dims < head_dim)[None, :]
         k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
-                    mask=col_mask, other=0.0)
+                    mask=_key_mask(cols, dims, seqlen_k, head_dim, MASKED), other=0.0)
     return tl.dot(q, tl.trans(k))
 
 
@@ -237,10 +243,7 @@ def _fwd_tile(acc, m_i, l_i, qk_given, q, rows, dims, col_start, k_ptr, v_ptr, b
     118, past the 128 that let two programs share an SM; 128: 1-3%, at 255 registers, and its 128 x 128 tile no
     longer fits in shared memory at three stages)."""
     cols = col_start + tl.arange(0, BLOCK_N)
-    if MASKED:
-        col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
-    else:
-        col_mask = (dims < head_dim)[None, :]
+    col_mask = _key_mask(cols, dims, seqlen_k, head_dim, MASKED)
     if PIPELINED:
         qk = qk_given
     else:
@@ -435,10 +438,7 @@ def _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_p
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr):
     """One key tile's contribution to dQ of the query tile and, with a sink, to each row's sum of P * dP."""
     cols = col_start + tl.arange(0, BLOCK_N)
-    if MASKED:
-        col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
-    else:
-        col_mask = (dims < head_dim)[None, :]
+    col_mask = _key_mask(cols, dims, seqlen_k, head_dim, MASKED)
     if DESC:
         k = k_ptr.load([batch, col_start, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
         v = v_ptr.load([batch, col_start, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
