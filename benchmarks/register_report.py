@@ -31,12 +31,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
-from triton.tools.tensor_descriptor import TensorDescriptor
+if __name__ == "__main__":
+    # The kernels must be compiled, not interpreted: Triton reads this when it is imported (its standard library)
+    # and when a kernel is defined. Only when run as a script: a process importing this module (a test of
+    # ``parse_tile``) keeps its interpreter.
+    os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels_src  # noqa: E402  (the package, importable from the repository root)
@@ -102,8 +108,7 @@ def registers_and_spills(kernel, args, constexprs, num_warps, num_stages, arch):
 
 def load_kernels(source):
     """kernels_src/flash_attn.py, or a modified copy of it at ``source`` (imported as part of kernels_src).
-    Compiling needs TRITON_INTERPRET unset (``main`` unsets it): ``triton.jit`` reads it when a kernel is defined,
-    and Triton's frontend while compiling."""
+    Compiling needs TRITON_INTERPRET unset before Triton is imported (run as a script, this module unsets it)."""
     path = source or Path(kernels_src.__file__).parent / "flash_attn.py"
     spec = importlib.util.spec_from_file_location("kernels_src.flash_attn", path)
     module = importlib.util.module_from_spec(spec)
@@ -179,9 +184,6 @@ def main():
     parser.add_argument("--groups", type=int, nargs="+", default=[1, 4],
                         help="query heads per kv head: 1 (MHA) and 4 (GQA, as Llama-3-8B) by default")
     args = parser.parse_args()
-    # The kernels must be compiled, not interpreted (see ``load_kernels``). Unset here, not at import, so that a
-    # process importing this module (a test of ``parse_tile``) keeps its interpreter.
-    os.environ.pop("TRITON_INTERPRET", None)
     table = read_table(None, "flash_attn")
     flash_attn = load_kernels(args.source)
     wanted = {f"_{'fwd' if k == 'forward' else 'bwd_' + k}_kernel" for k in args.kernels}
