@@ -202,6 +202,7 @@ def main():
                                                                 args.arch)
                 loops = "one loop" if constexprs.get("ONE_LOOP") or constexprs.get("PIPELINED") else "three loops"
                 loops += ", pipelined" if constexprs.get("PIPELINED") else ""
+                loops += ", P.V fence" if constexprs.get("PV_FENCE") else ""
                 loops += ", group loop" if group == 1 and constexprs.get("SINGLE_HEAD") is False else ""
                 tile = (f"{constexprs['BLOCK_M']}x{constexprs['BLOCK_N']}, {warps}, {stages if stages else 'default'}, "
                         f"{loops}")

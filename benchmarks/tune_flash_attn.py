@@ -4,8 +4,8 @@ Per head dim (64, 128, 256; rows ``max_cols`` of the table are head dims), on b=
 heads, causal, bf16 (the shape class of h200-baselines.md): the forward's tile is the candidate with the fastest
 forward; then the backward's two passes by coordinate descent: the dK/dV tile with the dQ tile fixed at the
 current table's, then the dQ tile with the best dK/dV one; each pass's tile then with and without ``heavy_first``
-(the order of its programs), the forward's with and without ``pipelined`` and the dK/dV tile's with and without
-``group_loop``. Candidates that do not fit (shared memory, registers) fail to launch and are skipped.
+(the order of its programs), the forward's with and without ``pipelined`` and ``pv_fence`` and the dK/dV tile's
+with and without ``group_loop``. Candidates that do not fit (shared memory, registers) fail to launch and are skipped.
 The result is data: the package reads it at run time and never autotunes.
 
     python benchmarks/tune_flash_attn.py --build <variants dir> [--write torch-ext/fused_kernels/configs/flash_attn.json]
@@ -102,9 +102,9 @@ def with_order(label, timed, tile):
 
 def with_switch(label, timed, entry, key):
     """``entry`` with the launch switch ``key`` on if that is faster (a variant that cannot run is not): the
-    forward's ``pipelined`` (see ``_fwd_tile`` in kernels_src/flash_attn.py) and the dK/dV pass's ``group_loop``
-    (``_bwd_dkdv_kernel``; the tuning shape is MHA, where it matters). An entry streaming through descriptors was
-    timed with them only, so its pointer-load fallback keeps the switch off."""
+    forward's ``pipelined`` (see ``_fwd_tile`` in kernels_src/flash_attn.py) and ``pv_fence`` (``_fwd_kernel``) and
+    the dK/dV pass's ``group_loop`` (``_bwd_dkdv_kernel``; the tuning shape is MHA, where it matters). An entry
+    streaming through descriptors was timed with them only, so its pointer-load fallback keeps the switch off."""
     switched = {**entry, key: True}
     plain_ms = timed(entry)
     try:
@@ -148,8 +148,9 @@ def main():
             run()
             return do_bench(run, warmup=10, rep=50)
 
-        forward_tile = with_switch(f"d={head_dim} forward", forward, table_entry(
-            f"d={head_dim} forward", forward, fastest(f"d={head_dim} forward", forward)), "pipelined")
+        forward_tile = table_entry(f"d={head_dim} forward", forward, fastest(f"d={head_dim} forward", forward))
+        for switch in ("pipelined", "pv_fence"):
+            forward_tile = with_switch(f"d={head_dim} forward", forward, forward_tile, switch)
         attn.flash_attn_forward(q, k, v, out, lse, None, seed, *common, tile=forward_tile)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)

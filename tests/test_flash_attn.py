@@ -97,14 +97,16 @@ def tile_form(request, fk, monkeypatch):
     ``desc``: partner tiles through tensor descriptors where the batch is dense, else pointer loads; ``pipelined``:
     the forward's loop computing the next tile's scores ahead). The one-loop forms also keep the dK/dV pass's loop
     over a kv head's query heads with MHA (``group_loop``), the three-loop forms compile it out: both MHA kernels
-    run in every test that uses this fixture. The pipelined forward holds two score tiles: on a GPU its tile runs
+    run in every test that uses this fixture; likewise the forward's scheduling fence (``pv_fence``; on a GPU only,
+    the interpreter leaves it out). The pipelined forward holds two score tiles: on a GPU its tile runs
     at two stages (at three, the H200's head-dim-128 tile of 128 x 128 does not fit in shared memory)."""
     one_loop, desc, pipelined = request.param
     table_pick = fk._flash_attn.pick
 
     def pick(family, kind, device, head_dim):
         tile = {**table_pick(family, kind, device, head_dim), "one_loop": one_loop, "desc": desc,
-                "desc_min_flops": 0, "group_loop": one_loop, "pipelined": pipelined, "without_desc": {}}
+                "desc_min_flops": 0, "group_loop": one_loop, "pv_fence": one_loop, "pipelined": pipelined,
+                "without_desc": {}}
         if pipelined and "num_stages" in tile:
             tile["num_stages"] = min(tile["num_stages"], 2)
         return tile
