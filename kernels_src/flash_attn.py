@@ -322,7 +322,8 @@ def _fwd_kernel(
     behind it instead of between the softmax and the matmul, and the exponentials, row sums and bf16 conversions
     are interleaved around the V tile's barrier wait instead of all preceding it. On the H200 the head-dim-128
     forward got 6-7% faster (B4 H32 S4096 causal 1244 -> 1162 us, B2 Hq32 Hk8 S8192 causal 2239 -> 2130); at head
-    dim 64 it was 2% slower and at 256 level, so the launch table decides (``pv_fence``). (Found because a copy of
+    dim 64 it was 2% slower, at 256 level and with pointer loads 1-2% slower, so the launch table decides
+    (``pv_fence``). (Found because a copy of
     this kernel instrumented with %clock64 reads ran faster than the kernel: a clock read is such a fence too. A
     ``nanosleep`` there moved only the copy-engine work and gained nothing.)"""
     row_start, batch_head = _tile_of_head(fixed_seqlen_q, pairs_per_group, BLOCK_M, FLAT_GRID, HEAVY_FIRST, True)
