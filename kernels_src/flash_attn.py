@@ -292,7 +292,7 @@ def _scheduling_fence():
     """``membar.cta``: ptxas moves no instruction across it. As a memory fence it orders this thread's earlier
     memory accesses before its later ones; where the launch table uses it (the forward's loop with its tiles coming
     through the copy engine, which then makes no memory accesses of its own but dropout's seed load) that costs
-    nothing measurable. With pointer loads the forward was 1-2% slower with it, and runs without. Inline PTX, which
+    nothing measurable. With pointer loads the forward was 1-10% slower with it, and runs without. Inline PTX, which
     the CPU interpreter cannot run: the launcher leaves the fence out there."""
     tl.inline_asm_elementwise("membar.cta; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
@@ -322,11 +322,11 @@ def _fwd_kernel(
     which follow the matmul in program order, keep their ~40 instructions of address and uniform-register work
     behind it instead of between the softmax and the matmul, and the exponentials, row sums and bf16 conversions
     are interleaved around the V tile's barrier wait instead of all preceding it. On the H200 the head-dim-128
-    forward got 6-7% faster (B4 H32 S4096 causal 1244 -> 1162 us, B2 Hq32 Hk8 S8192 causal 2239 -> 2130); at head
-    dim 64 it was 2% slower, at 256 level and with pointer loads 1-2% slower, so the launch table decides
-    (``pv_fence``). (Found because a copy of
-    this kernel instrumented with %clock64 reads ran faster than the kernel: a clock read is such a fence too. A
-    ``nanosleep`` there moved only the copy-engine work and gained nothing.)"""
+    forward got 7-11% faster (B4 H32 S4096 causal 1255 -> 1171 us, full 2282 -> 2026, B2 Hq32 Hk8 S8192 causal
+    2301 -> 2125); at head dim 64 it was 2% slower, at 256 level and with pointer loads 1-10% slower, so the launch
+    table decides (``pv_fence``). (Found because a copy of this kernel instrumented with %clock64 reads ran faster
+    than the kernel: a clock read is such a fence too. A ``nanosleep`` there moved only the copy-engine work and
+    gained nothing.)"""
     row_start, batch_head = _tile_of_head(fixed_seqlen_q, pairs_per_group, BLOCK_M, FLAT_GRID, HEAVY_FIRST, True)
     batch = batch_head // n_heads
     head = batch_head % n_heads
