@@ -466,6 +466,31 @@ def test_realistic_shapes(fk, dim, causal, kv_heads):
     run_and_check(fk, q, k, v, causal=causal)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the fence is inline PTX, which the CPU interpreter leaves out")
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=False, softcap=20.0, window_size=(300, 40)),
+                                     dict(causal=True, dropout_p=0.1)], ids=["causal", "softcap-window", "dropout"])
+def test_scheduling_fence_changes_no_value(fk, monkeypatch, dim, options):
+    """The forward's P.V fence (``pv_fence``) only reorders instructions: output and lse are bitwise those of the
+    same forward without it, through descriptors and pointer loads, whatever the launch table picks."""
+    torch.manual_seed(dim)
+    q, k, v = make_qkv(2, 1000, 1000, 8, 2, dim, torch.bfloat16)
+    table_pick = fk._flash_attn.pick
+    results = {}
+    for desc in (True, False):
+        for fence in (False, True):
+            def pick(family, kind, device, head_dim, desc=desc, fence=fence):
+                return {**table_pick(family, kind, device, head_dim), "one_loop": True, "desc": desc,
+                        "desc_min_flops": 0, "pv_fence": fence, "without_desc": {}}
+            monkeypatch.setattr(fk._flash_attn, "pick", pick)
+            torch.manual_seed(1)  # the dropout seed
+            out, lse, _ = fk.flash_attn_func(q, k, v, return_attn_probs=True, **options)
+            results[desc, fence] = (out, lse)
+    for desc in (True, False):
+        for without, with_fence in zip(results[desc, False], results[desc, True]):
+            assert torch.equal(without, with_fence), f"the fence changed a value (descriptors: {desc})"
+
+
 @pytest.mark.parametrize("grid_limit, pairs_per_group", [(1, 0), (None, 3), (1, 3)],
                          ids=["flat-natural", "two-axis-heavy-first", "flat-heavy-first"])
 def test_grids_and_program_orders_match_the_natural_order(fk, monkeypatch, grid_limit, pairs_per_group):
