@@ -51,7 +51,9 @@ from launch_tables import package_launch_config, read_table  # noqa: E402
 
 KERNELS = {"forward": "forward", "dkdv": "backward_dkdv", "dq": "backward_dq"}
 # Each pass's on/off launch switch besides one_loop and desc (see kernels_src/flash_attn.py): the forward's
-# ``pipelined`` and the dK/dV pass's ``group_loop``; the dQ pass has none.
+# ``pipelined`` and the dK/dV pass's ``group_loop``; the dQ pass has none. The forward's ``pv_fence`` is not one of
+# them: it only reorders instructions (offline, sm_90a, head dim 128: 195 registers with and without it), so a
+# ``--tile`` override leaves it off, and the shipped tiles report it as the table sets it.
 SWITCHES = {"forward": "pipelined", "dkdv": "group_loop"}
 _POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
                   torch.int32: "*i32", torch.bool: "*i1"}
