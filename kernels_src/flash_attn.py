@@ -513,7 +513,7 @@ def _bwd_dkdv_kernel(
 
     cols = col_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    col_mask = (cols < seqlen_k)[:, None] & (dims < head_dim)[None, :]
+    col_mask = _key_mask(cols, dims, seqlen_k, head_dim, True)
     k = tl.load(_tile_ptrs(k_ptr, batch, kv_head, stride_kb, stride_ks, stride_kh, k_start, cols, dims),
                 mask=col_mask, other=0.0)
     v = tl.load(_tile_ptrs(v_ptr, batch, kv_head, stride_vb, stride_vs, stride_vh, k_start, cols, dims),
