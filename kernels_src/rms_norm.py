@@ -69,9 +69,10 @@ def _as_multiple(value, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(ptr, row_offsets, cols, stride_col, mask):
-    """A (rows, cols) tile of a strided tensor, as fp32."""
-    return tl.load(ptr + row_offsets[:, None] + cols[None, :] * stride_col, mask=mask, other=0.0).to(tl.float32)
+def _load_tile(ptr, row_offsets, cols, stride_col, mask, POLICY: tl.constexpr = ""):
+    """A (rows, cols) tile of a strided tensor, as fp32. ``POLICY``: the load's L2 eviction policy."""
+    return tl.load(ptr + row_offsets[:, None] + cols[None, :] * stride_col, mask=mask, other=0.0,
+                   eviction_policy=POLICY).to(tl.float32)
 
 
 @triton.jit
@@ -85,14 +86,27 @@ def _weight_factor(w_ptr, cols, col_mask, MODE: tl.constexpr, CACHE: tl.constexp
 
 
 @triton.jit
-def _load_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr, out_rows, cols,
-                mask, HAS_RESIDUAL: tl.constexpr):
-    """One tile of the normalised input h (fp32): x, or x + residual, which is also stored as residual_out."""
-    h = _load_tile(x_ptr, x_rows, cols, x_stride_col, mask)
+def _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, cols, mask,
+                    HAS_RESIDUAL: tl.constexpr, POLICY: tl.constexpr):
+    """One tile of x and one of the residual (x again without one), in their own dtypes."""
+    x = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0, eviction_policy=POLICY)
+    residual = x
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + r_rows[:, None] + cols[None, :] * r_stride_col, mask=mask, other=0.0,
+                           eviction_policy=POLICY)
+    return x, residual
+
+
+@triton.jit
+def _combine_input(x, residual, residual_out_ptr, out_rows, cols, mask, HAS_RESIDUAL: tl.constexpr,
+                   POLICY: tl.constexpr):
+    """The normalised input h (fp32) from raw tiles: x, or x + residual, which is also stored as residual_out (with
+    the L2 eviction policy ``POLICY``)."""
+    h = x.to(tl.float32)
     if HAS_RESIDUAL:
         # Round the sum to the input dtype, exactly as `x + residual` in the reference block does.
-        h = (h + _load_tile(residual_ptr, r_rows, cols, r_stride_col, mask)).to(x_ptr.dtype.element_ty)
-        tl.store(residual_out_ptr + out_rows[:, None] + cols[None, :], h, mask=mask)
+        h = (h + residual.to(tl.float32)).to(x.dtype)
+        tl.store(residual_out_ptr + out_rows[:, None] + cols[None, :], h, mask=mask, eviction_policy=POLICY)
         h = h.to(tl.float32)
     return h
 
@@ -142,33 +156,57 @@ def _rms_norm_forward_kernel(
         cols = tl.arange(0, BLOCK_COLS)
         col_mask = cols < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
-        h = _load_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr, out_rows,
-                        cols, mask, HAS_RESIDUAL)
+        x, residual = _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, cols, mask,
+                                      HAS_RESIDUAL, "")
+        h = _combine_input(x, residual, residual_out_ptr, out_rows, cols, mask, HAS_RESIDUAL, "")
         rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
         y = _scale_by_weight(h * rstd[:, None], w_ptr, cols, col_mask, input_dtype, MODE, HAS_WEIGHT)
         tl.store(y_ptr + out_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        sum_sq = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+        # Rows too long for one block: pass 1 reduces sum(h^2) block by block, pass 2 reads h again (x, or the
+        # residual_out that pass 1 stored) and writes y. For pass 2 to find h in L2, pass 1 marks the lines that
+        # pass 2 reads evict_last and everything else, read or written for the last time, evict_first. Pass 1
+        # issues each block's loads one iteration ahead and reduces each block as it arrives (a running
+        # (BLOCK_ROWS, BLOCK_COLS) sum would not fit beside the prefetched block in the 32768-column blocks the H200
+        # table uses). Pass 2 takes half-width blocks, since it reads from L2 (full-width ones measured slower).
+        if HAS_RESIDUAL:
+            kept_input: tl.constexpr = "evict_first"
+            kept_residual_out: tl.constexpr = "evict_last"
+        else:
+            kept_input: tl.constexpr = "evict_last"
+            kept_residual_out: tl.constexpr = ""
+        sum_sq = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+        cols = tl.arange(0, BLOCK_COLS)
+        x_next, residual_next = _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col,
+                                                cols, row_mask[:, None] & (cols < n_cols)[None, :], HAS_RESIDUAL,
+                                                kept_input)
         for start in range(0, n_cols, BLOCK_COLS):
             cols = start + tl.arange(0, BLOCK_COLS)
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            h = _load_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr,
-                            out_rows, cols, mask, HAS_RESIDUAL)
-            sum_sq += h * h
-        rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
+            x = x_next
+            residual = residual_next
+            ahead = cols + BLOCK_COLS
+            x_next, residual_next = _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col,
+                                                    ahead, row_mask[:, None] & (ahead < n_cols)[None, :],
+                                                    HAS_RESIDUAL, kept_input)
+            h = _combine_input(x, residual, residual_out_ptr, out_rows, cols, mask, HAS_RESIDUAL, kept_residual_out)
+            sum_sq += tl.sum(h * h, axis=1)
+        rstd = tl.rsqrt(sum_sq / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-        n_chunks = tl.cdiv(n_cols, BLOCK_COLS)
+        SECOND_PASS_COLS: tl.constexpr = BLOCK_COLS // 2
+        n_chunks = tl.cdiv(n_cols, SECOND_PASS_COLS)
         for chunk in range(0, n_chunks):  # backwards: see _chunk_start
-            cols = _chunk_start(chunk, n_chunks, BLOCK_COLS) + tl.arange(0, BLOCK_COLS)
+            cols = _chunk_start(chunk, n_chunks, SECOND_PASS_COLS) + tl.arange(0, SECOND_PASS_COLS)
             col_mask = cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
             if HAS_RESIDUAL:
-                h = _load_tile(residual_out_ptr, out_rows, cols, 1, mask)
+                h = _load_tile(residual_out_ptr, out_rows, cols, 1, mask, "evict_first")
             else:
-                h = _load_tile(x_ptr, x_rows, cols, x_stride_col, mask)
+                h = _load_tile(x_ptr, x_rows, cols, x_stride_col, mask, "evict_first")
             y = _scale_by_weight(h * rstd[:, None], w_ptr, cols, col_mask, input_dtype, MODE, HAS_WEIGHT)
-            tl.store(y_ptr + out_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + out_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask,
+                     eviction_policy="evict_first")
 
 
 @triton.jit
