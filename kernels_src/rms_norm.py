@@ -132,6 +132,36 @@ def _chunk_start(chunk, n_chunks, BLOCK_COLS: tl.constexpr):
 
 
 @triton.jit
+def _sum_of_squares(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr, out_rows,
+                    row_mask, n_cols, HAS_RESIDUAL: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """Pass 1 over rows too long for one block: sum(h^2) of each row (fp32), storing residual_out on the way. The
+    lines the second pass reads again (x, or residual_out) are marked evict_last, x and the residual evict_first
+    when they are not read again."""
+    if HAS_RESIDUAL:
+        input_policy: tl.constexpr = "evict_first"
+        residual_out_policy: tl.constexpr = "evict_last"
+    else:
+        input_policy: tl.constexpr = "evict_last"
+        residual_out_policy: tl.constexpr = ""
+    sum_sq = tl.zeros(row_mask.shape, dtype=tl.float32)
+    first = tl.arange(0, BLOCK_COLS)
+    x_next, residual_next = _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, first,
+                                            row_mask[:, None] & (first < n_cols)[None, :], HAS_RESIDUAL, input_policy)
+    for start in range(0, n_cols, BLOCK_COLS):
+        cols = start + tl.arange(0, BLOCK_COLS)
+        x = x_next
+        residual = residual_next
+        ahead = cols + BLOCK_COLS
+        x_next, residual_next = _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col,
+                                                ahead, row_mask[:, None] & (ahead < n_cols)[None, :], HAS_RESIDUAL,
+                                                input_policy)
+        h = _combine_input(x, residual, residual_out_ptr, out_rows, cols, row_mask[:, None] & (cols < n_cols)[None, :],
+                           HAS_RESIDUAL, residual_out_policy)
+        sum_sq += tl.sum(h * h, axis=1)
+    return sum_sq
+
+
+@triton.jit
 def _rms_norm_forward_kernel(
     x_ptr, residual_ptr, w_ptr, y_ptr, residual_out_ptr, rstd_ptr,
     n_rows, n_cols, rows_inner, eps,
@@ -170,28 +200,8 @@ def _rms_norm_forward_kernel(
         # issues each block's loads one iteration ahead and reduces each block as it arrives (a running
         # (BLOCK_ROWS, BLOCK_COLS) sum would not fit beside the prefetched block in the 32768-column blocks the H200
         # table uses). Pass 2 takes half-width blocks, since it reads from L2 (full-width ones measured slower).
-        if HAS_RESIDUAL:
-            kept_input: tl.constexpr = "evict_first"
-            kept_residual_out: tl.constexpr = "evict_last"
-        else:
-            kept_input: tl.constexpr = "evict_last"
-            kept_residual_out: tl.constexpr = ""
-        sum_sq = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
-        cols = tl.arange(0, BLOCK_COLS)
-        x_next, residual_next = _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col,
-                                                cols, row_mask[:, None] & (cols < n_cols)[None, :], HAS_RESIDUAL,
-                                                kept_input)
-        for start in range(0, n_cols, BLOCK_COLS):
-            cols = start + tl.arange(0, BLOCK_COLS)
-            mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            x = x_next
-            residual = residual_next
-            ahead = cols + BLOCK_COLS
-            x_next, residual_next = _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col,
-                                                    ahead, row_mask[:, None] & (ahead < n_cols)[None, :],
-                                                    HAS_RESIDUAL, kept_input)
-            h = _combine_input(x, residual, residual_out_ptr, out_rows, cols, mask, HAS_RESIDUAL, kept_residual_out)
-            sum_sq += tl.sum(h * h, axis=1)
+        sum_sq = _sum_of_squares(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr,
+                                 out_rows, row_mask, n_cols, HAS_RESIDUAL, BLOCK_COLS)
         rstd = tl.rsqrt(sum_sq / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
         SECOND_PASS_COLS: tl.constexpr = BLOCK_COLS // 2
