@@ -103,8 +103,7 @@ def _store_gradient(z, cols, mask, d_ptrs, y, col_start, row_max, log_sum, ignor
     if HAS_SOFTCAP:
         dx *= 1.0 - t * t
     dx = tl.where(ignored, 0.0, dx)
-    # Written once and not read again here: first out of L2 (see the loss pass in _cross_entropy_kernel).
-    tl.store(d_ptrs, dx.to(d_ptrs.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+    tl.store(d_ptrs, dx.to(d_ptrs.dtype.element_ty), mask=mask)
 
 
 # col_start is not specialised: Triton 3.6 on the H200 compiled a one-column slice starting at column 1 (n_cols and
@@ -188,19 +187,13 @@ def _cross_entropy_kernel(
                 z_edge, edge_cols, edge_read, running_max, running_sum, gap_sum, seen_weight, shift, weight_ptr,
                 softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
         # Each block's load is issued one iteration ahead, so the row keeps streaming while a block is reduced.
-        # When the gradient pass follows, it reads the row again: the loss pass asks L2 to keep the row's lines
-        # (evict_last), the gradient pass's loads and stores to drop theirs first (evict_first). H200, CUDA graphs,
-        # in a stripped-down probe of this kernel (no options, ALIGN 1): 8192 x 151936 bf16 1825 -> 1788 us, 8192 x
-        # 128256 1553 -> 1507, 8192 x 32000 365 -> 344.
-        KEEP: tl.constexpr = "evict_last" if GRAD_PASS else ""
         first = tl.arange(0, BLOCK_COLS)
-        z_next = tl.load(body_ptr + first * logits_stride_col, mask=first < n_read, other=0.0, eviction_policy=KEEP)
+        z_next = tl.load(body_ptr + first * logits_stride_col, mask=first < n_read, other=0.0)
         for start in range(0, n_read, BLOCK_COLS):
             offsets = start + tl.arange(0, BLOCK_COLS)
             z = z_next.to(tl.float32)
             ahead = offsets + BLOCK_COLS
-            z_next = tl.load(body_ptr + ahead * logits_stride_col, mask=ahead < n_read, other=0.0,
-                             eviction_policy=KEEP)
+            z_next = tl.load(body_ptr + ahead * logits_stride_col, mask=ahead < n_read, other=0.0)
             running_max, running_sum, gap_sum, seen_weight, shift = _absorb(
                 z, head + offsets, offsets < body, running_max, running_sum, gap_sum, seen_weight, shift, weight_ptr,
                 softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
@@ -251,14 +244,12 @@ def _cross_entropy_kernel(
         # From the body's end backwards (what the loss pass read last may still be in L2), one block ahead.
         last_start = (tl.cdiv(body, BLOCK_COLS) - 1) * BLOCK_COLS
         first = last_start + tl.arange(0, BLOCK_COLS)
-        z_next = tl.load(body_ptr + first * logits_stride_col, mask=first < n_read, other=0.0,
-                         eviction_policy="evict_first")
+        z_next = tl.load(body_ptr + first * logits_stride_col, mask=first < n_read, other=0.0)
         for back in range(0, body, BLOCK_COLS):
             offsets = (last_start - back) + tl.arange(0, BLOCK_COLS)
             z = z_next.to(tl.float32)
             ahead = offsets - BLOCK_COLS
-            z_next = tl.load(body_ptr + ahead * logits_stride_col, mask=(ahead >= 0) & (ahead < n_read), other=0.0,
-                             eviction_policy="evict_first")
+            z_next = tl.load(body_ptr + ahead * logits_stride_col, mask=(ahead >= 0) & (ahead < n_read), other=0.0)
             _store_gradient(z, head + offsets, offsets < body, d_body_ptr + offsets, y, col_start, row_max, log_sum,
                             ignored, coef_y, coef_s, coef_z, coef_c, weight_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING,
                             HAS_Z_LOSS, HAS_SOFTCAP)

@@ -69,7 +69,7 @@ def _as_multiple(value, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(ptr, row_offsets, cols, stride_col, mask, POLICY: tl.constexpr = ""):
+def _load_tile(ptr, row_offsets, cols, stride_col, mask, POLICY: tl.constexpr):
     """A (rows, cols) tile of a strided tensor, as fp32. ``POLICY``: the load's L2 eviction policy."""
     return tl.load(ptr + row_offsets[:, None] + cols[None, :] * stride_col, mask=mask, other=0.0,
                    eviction_policy=POLICY).to(tl.float32)
@@ -241,7 +241,7 @@ def _store_dx(g, x_hat, rstd, mean_gx, dr_ptr, dr_rows, dr_stride_col, dx_ptr, d
     """dx = rstd * (g - x_hat * mean(g * x_hat)), plus the gradient reaching the fused form's residual output."""
     dx = rstd[:, None] * (g - x_hat * mean_gx[:, None])
     if HAS_D_RESIDUAL:
-        dx += _load_tile(dr_ptr, dr_rows, cols, dr_stride_col, mask)
+        dx += _load_tile(dr_ptr, dr_rows, cols, dr_stride_col, mask, "")
     tl.store(dx_ptr + dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -376,8 +376,8 @@ def _rms_norm_backward_kernel(
                 cols = start + tl.arange(0, BLOCK_COLS)
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
-                h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask)
-                g = _load_tile(dy_ptr, dy_rows, cols, dy_stride_col, mask)
+                h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask, "")
+                g = _load_tile(dy_ptr, dy_rows, cols, dy_stride_col, mask, "")
                 g = g * _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT, "")[None, :]
                 sum_gh += g * h
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
@@ -388,8 +388,8 @@ def _rms_norm_backward_kernel(
                 cols = _chunk_start(chunk, n_chunks, BLOCK_COLS) + tl.arange(0, BLOCK_COLS)
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
-                h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask)
-                dy = _load_tile(dy_ptr, dy_rows, cols, dy_stride_col, mask)
+                h = _load_tile(h_ptr, h_rows, cols, h_stride_col, mask, "")
+                dy = _load_tile(dy_ptr, dy_rows, cols, dy_stride_col, mask, "")
                 x_hat = h * rstd[:, None]
                 g = dy * _weight_or_one(w_ptr, cols, col_mask, MODE, HAS_WEIGHT, "")[None, :]
                 dw_term = _dw_term(dy, x_hat, input_dtype, MODE)
