@@ -133,10 +133,10 @@ def _chunk_start(chunk, n_chunks, BLOCK_COLS: tl.constexpr):
 
 @triton.jit
 def _sum_of_squares(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr, out_rows,
-                    row_mask, n_cols, HAS_RESIDUAL: tl.constexpr, BLOCK_COLS: tl.constexpr):
+                    row_mask, n_cols, HAS_RESIDUAL: tl.constexpr, BLOCK_COLS: tl.constexpr, PREFETCH: tl.constexpr):
     """Pass 1 over rows too long for one block: sum(h^2) of each row (fp32), storing residual_out on the way. The
     lines the second pass reads again (x, or residual_out) are marked evict_last, x and the residual evict_first
-    when they are not read again."""
+    when they are not read again. With ``PREFETCH`` each block's loads are issued one iteration ahead."""
     if HAS_RESIDUAL:
         input_policy: tl.constexpr = "evict_first"
         residual_out_policy: tl.constexpr = "evict_last"
@@ -144,19 +144,25 @@ def _sum_of_squares(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_
         input_policy: tl.constexpr = "evict_last"
         residual_out_policy: tl.constexpr = ""
     sum_sq = tl.zeros(row_mask.shape, dtype=tl.float32)
-    first = tl.arange(0, BLOCK_COLS)
-    x_next, residual_next = _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, first,
-                                            row_mask[:, None] & (first < n_cols)[None, :], HAS_RESIDUAL, input_policy)
+    if PREFETCH:
+        first = tl.arange(0, BLOCK_COLS)
+        x_next, residual_next = _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col,
+                                                first, row_mask[:, None] & (first < n_cols)[None, :], HAS_RESIDUAL,
+                                                input_policy)
     for start in range(0, n_cols, BLOCK_COLS):
         cols = start + tl.arange(0, BLOCK_COLS)
-        x = x_next
-        residual = residual_next
-        ahead = cols + BLOCK_COLS
-        x_next, residual_next = _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col,
-                                                ahead, row_mask[:, None] & (ahead < n_cols)[None, :], HAS_RESIDUAL,
-                                                input_policy)
-        h = _combine_input(x, residual, residual_out_ptr, out_rows, cols, row_mask[:, None] & (cols < n_cols)[None, :],
-                           HAS_RESIDUAL, residual_out_policy)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        if PREFETCH:
+            x = x_next
+            residual = residual_next
+            ahead = cols + BLOCK_COLS
+            x_next, residual_next = _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col,
+                                                    ahead, row_mask[:, None] & (ahead < n_cols)[None, :],
+                                                    HAS_RESIDUAL, input_policy)
+        else:
+            x, residual = _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, cols, mask,
+                                          HAS_RESIDUAL, input_policy)
+        h = _combine_input(x, residual, residual_out_ptr, out_rows, cols, mask, HAS_RESIDUAL, residual_out_policy)
         sum_sq += tl.sum(h * h, axis=1)
     return sum_sq
 
@@ -169,6 +175,7 @@ def _rms_norm_forward_kernel(
     r_stride_outer, r_stride_inner, r_stride_col,
     MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, SINGLE_PASS: tl.constexpr, ALIGN: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     n_cols = _as_multiple(n_cols, ALIGN)  # see "Row alignment" above
     x_stride_outer = _as_multiple(x_stride_outer, ALIGN)
@@ -197,11 +204,13 @@ def _rms_norm_forward_kernel(
         # Rows too long for one block: pass 1 reduces sum(h^2) block by block, pass 2 reads h again (x, or the
         # residual_out that pass 1 stored) and writes y. For pass 2 to find h in L2, pass 1 marks the lines that
         # pass 2 reads evict_last and everything else, read or written for the last time, evict_first. Pass 1
-        # issues each block's loads one iteration ahead and reduces each block as it arrives (a running
-        # (BLOCK_ROWS, BLOCK_COLS) sum would not fit beside the prefetched block in the 32768-column blocks the H200
-        # table uses). Pass 2 takes half-width blocks, since it reads from L2 (full-width ones measured slower).
+        # reduces each block as it arrives (a running (BLOCK_ROWS, BLOCK_COLS) sum would not fit beside a
+        # prefetched block in the 32768-column blocks of the H200 table) and, with PREFETCH, issues each block's
+        # loads one iteration ahead. Pass 2 takes half-width blocks: it reads from L2, and full-width ones were
+        # slower everywhere (up to 1.5x with 2-byte accesses). H200, CUDA graphs, bf16, us: 4096 x 65536 326 -> 280
+        # (copy floor 253), 4096 x 131072 732 -> 655, 8192 x 32768 (whole-row tile before) 280 -> 258.
         sum_sq = _sum_of_squares(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr,
-                                 out_rows, row_mask, n_cols, HAS_RESIDUAL, BLOCK_COLS)
+                                 out_rows, row_mask, n_cols, HAS_RESIDUAL, BLOCK_COLS, PREFETCH)
         rstd = tl.rsqrt(sum_sq / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
         SECOND_PASS_COLS: tl.constexpr = BLOCK_COLS // 2
@@ -447,6 +456,11 @@ def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual
     docstring; both tensors share ``rows_inner``). ``y`` and ``residual_out`` are contiguous outputs, ``rstd`` a
     contiguous fp32 output of ``n_rows`` elements (the backward's input); ``residual``/``residual_out``/``weight``
     may be None. ``align``: ``row_alignment`` of the two layouts.
+
+    The chunked pass 1 prefetches only rows of one input accessed 16 bytes at a time: the prefetched block doubles
+    what a thread holds across the reduction, and with a second input (the residual) or 2-byte accesses (a 64-bit
+    address per element) it was slower on the H200 (4096 x 65536 with a residual: 649 against 562 us; 16384 x 16383:
+    436 against 395).
     """
     rows_inner = x_layout[0]
     r_strides = _row_strides(residual_layout) if residual is not None else (0, 0, 0)
@@ -457,7 +471,7 @@ def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual
          n_rows, n_cols, rows_inner, eps, *_row_strides(x_layout), *r_strides),
         dict(MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
              BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=block_cols >= n_cols,
-             ALIGN=align or 1),
+             ALIGN=align or 1, PREFETCH=align is not None and residual is None),
         num_warps)
 
 
