@@ -33,7 +33,8 @@ UNALIGNED_WARPS = (2, 4, 8, 16, 32)
 UNALIGNED_PROGRAMS_PER_SM = (1, 2, 4)
 UNALIGNED_MAX_ELEMENTS_PER_THREAD = 64
 # Chunks of long rows. The forward's first pass reduces each chunk as it arrives, so chunks of 16384 and 32768 fit
-# beside the prefetched next one (H200, forward at 4096 x 65536 bf16: 325 us on 8192 columns, 272 on 32768).
+# beside the prefetched next one (H200, forward at 4096 x 65536 bf16, CUDA graphs: 327 us in chunks of 8192 columns
+# before, 280 in chunks of 32768).
 LOOPED_BLOCK_COLS = (4096, 8192, 16384, 32768)
 MAX_SINGLE_PASS_COLS = 32768
 

@@ -88,7 +88,8 @@ def _weight_factor(w_ptr, cols, col_mask, MODE: tl.constexpr, CACHE: tl.constexp
 @triton.jit
 def _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, cols, mask,
                     HAS_RESIDUAL: tl.constexpr, POLICY: tl.constexpr):
-    """One tile of x and one of the residual (x again without one), in their own dtypes."""
+    """One tile of x and one of the residual (x again without one), in their own dtypes, loaded with the L2 eviction
+    policy ``POLICY``."""
     x = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0, eviction_policy=POLICY)
     residual = x
     if HAS_RESIDUAL:
@@ -207,8 +208,8 @@ def _rms_norm_forward_kernel(
         # reduces each block as it arrives (a running (BLOCK_ROWS, BLOCK_COLS) sum would not fit beside a
         # prefetched block in the 32768-column blocks of the H200 table) and, with PREFETCH, issues each block's
         # loads one iteration ahead. Pass 2 takes half-width blocks: it reads from L2, and full-width ones were
-        # slower everywhere (up to 1.5x with 2-byte accesses). H200, CUDA graphs, bf16, us: 4096 x 65536 326 -> 280
-        # (copy floor 253), 4096 x 131072 732 -> 655, 8192 x 32768 (whole-row tile before) 280 -> 258.
+        # slower everywhere (up to 1.5x with 2-byte accesses). H200, CUDA graphs, bf16, us: 4096 x 65536 327 -> 280
+        # (copy floor 253), 4096 x 131072 727 -> 657, 8192 x 32768 (whole-row tile before) 281 -> 258.
         sum_sq = _sum_of_squares(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr,
                                  out_rows, row_mask, n_cols, HAS_RESIDUAL, BLOCK_COLS, PREFETCH)
         rstd = tl.rsqrt(sum_sq / n_cols + eps)
