@@ -43,7 +43,8 @@ LAYOUTS = {
     "column_stride": ({"n_cols": "D", "outer": "D", "inner": "D", "col": ""}, True, False, False),
 }
 # RMSNorm launches: (kernel, block_rows, block_cols, single pass, prefetch); rows of up to 1000 elements fit in one
-# 1024-wide block, longer ones are walked in 1024-wide chunks.
+# 1024-wide block, longer ones are walked in 1024-wide chunks. The forward's prefetch (None here) follows the layout, as
+# its launcher chooses it: on for rows accessed 16 bytes at a time, off otherwise.
 RMS_NORM_TILES = [("forward", 2, 1024, True, None), ("forward", 1, 1024, False, None),
                   ("backward", 2, 1024, True, True), ("backward", 1, 8192, True, False),
                   ("backward", 1, 1024, False, False)]
@@ -88,14 +89,19 @@ def signature_and_attrs(kernel, pointer_type, layout, fp32_pointers=()):
     return signature, constexprs, attrs
 
 
+# Qualifiers between ``ld.global``/``st.global`` and the access's type, cache and eviction hints included
+# (``.L1::evict_last``, ``.L2::cache_hint``), but not a vector width (``.v4``).
+QUALIFIERS = r"(?:\.(?!v\d)[A-Za-z0-9_:]+)*"
+
+
 def widest(ptx, op):
-    widths = [int(w) for w in re.findall(rf"{op}\.global(?:\.[a-z0-9_]+)*?\.v(\d)", ptx)]
+    widths = [int(w) for w in re.findall(rf"{op}\.global{QUALIFIERS}\.v(\d)", ptx)]
     return max(widths, default=1)
 
 
 def scalar_accesses(ptx, bits):
     """Global loads and stores of single ``bits``-wide values (not vectors)."""
-    return len(re.findall(rf"(?:ld|st)\.global(?:\.[a-z]+)*\.[bfsu]{bits}\s", ptx))
+    return len(re.findall(rf"(?:ld|st)\.global{QUALIFIERS}\.[bfsu]{bits}\s", ptx))
 
 
 def compile_ptx(kernel, signature, constexprs, attrs, num_warps, target, label):
@@ -142,6 +148,8 @@ def check_rms_norm(target):
                 signature, constexprs, attrs = signature_and_attrs(
                     kernel, pointer_type, layout, fp32_pointers=("rstd_ptr", "dw_partial_ptr"))
                 align = ELEMENTS_PER_16_BYTES[dtype] if layout_name == "length_aligned" else 1
+                if kernel_name == "forward":
+                    prefetch = layout[3]
                 values = dict(MODE=kernels.MODE_IDS["llama"], HAS_WEIGHT=True, HAS_RESIDUAL=False, COMPUTE_DW=True,
                               HAS_D_RESIDUAL=False, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
                               SINGLE_PASS=single_pass, PREFETCH=prefetch, ALIGN=align)
