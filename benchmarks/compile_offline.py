@@ -148,11 +148,10 @@ def check_rms_norm(target):
                 signature, constexprs, attrs = signature_and_attrs(
                     kernel, pointer_type, layout, fp32_pointers=("rstd_ptr", "dw_partial_ptr"))
                 align = ELEMENTS_PER_16_BYTES[dtype] if layout_name == "length_aligned" else 1
-                if kernel_name == "forward":
-                    prefetch = layout[3]
                 values = dict(MODE=kernels.MODE_IDS["llama"], HAS_WEIGHT=True, HAS_RESIDUAL=False, COMPUTE_DW=True,
                               HAS_D_RESIDUAL=False, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-                              SINGLE_PASS=single_pass, PREFETCH=prefetch, ALIGN=align)
+                              SINGLE_PASS=single_pass, PREFETCH=layout[3] if prefetch is None else prefetch,
+                              ALIGN=align)
                 for name in kernel.arg_names:
                     if name in values:
                         constexprs[(kernel.arg_names.index(name),)] = values[name]
