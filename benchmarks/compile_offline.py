@@ -151,7 +151,7 @@ def check_rms_norm(target):
                 values = dict(MODE=kernels.MODE_IDS["llama"], HAS_WEIGHT=True, HAS_RESIDUAL=False, COMPUTE_DW=True,
                               HAS_D_RESIDUAL=False, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
                               SINGLE_PASS=single_pass, PREFETCH=layout[3] if prefetch is None else prefetch,
-                              ALIGN=align)
+                              OUTPUT_COLS=block_cols // 2, ALIGN=align)
                 for name in kernel.arg_names:
                     if name in values:
                         constexprs[(kernel.arg_names.index(name),)] = values[name]

@@ -22,8 +22,11 @@ from launch_tables import bucket_entries, read_table, write_device_entries
 # Powers of two, and 3072: hidden sizes between 2048 and 4096 (Gemma-2's 2304, Qwen3's 2560, Llama-3.2's 3072) pad
 # their whole-row tile to 4096 columns, where the tile tuned at 4096 itself (2 rows on 16 warps) lost 15-18% to one
 # row on 4 warps on the H200 (forward at 64M bf16 elements: 2304 86.2 -> 70.8 us, 2560 81.4 -> 69.6, 3584 72.1 ->
-# 69.8). Other widths between powers of two gained at most 3% from any tile of the tuner's (1536, 4608-7168).
-BUCKETS = [128, 256, 512, 1024, 2048, 3072, 4096, 8192, 16384, 32768, 65536, 131072]
+# 69.8). Other widths between powers of two gained at most 3% from any tile of the tuner's (1536, 4608-7168) until the
+# forward could read a whole row twice (``two_pass``): hence 5120, for 4097-5120 columns, where that on 4 warps beat
+# the 8192 entry's tile by 5-8% (H200, CUDA graphs: 16384 x 5000 85.3 -> 80.3 us, 16384 x 4608 79.9 -> 74.0); at 6144
+# it did not.
+BUCKETS = [128, 256, 512, 1024, 2048, 3072, 4096, 5120, 8192, 16384, 32768, 65536, 131072]
 TARGET_ELEMENTS = 64 * 1024 * 1024
 WARPS = (4, 8, 16, 32)
 PROGRAMS_PER_SM = (1, 2, 3, 4, 8)
@@ -40,17 +43,18 @@ MAX_SINGLE_PASS_COLS = 32768
 
 
 def candidate_tiles(n_cols, unaligned):
-    """(block_rows, block_cols) pairs: whole rows in one tile, or column chunks of a long row (of one row when the
-    rows are accessed 2 bytes at a time: see rms_norm_backward)."""
+    """(block_rows, block_cols, two_pass) triples: whole rows in one tile, held in registers across the reduction or
+    read twice (``two_pass``, forward only), or column chunks of a long row (of one row when the rows are accessed 2
+    bytes at a time: see rms_norm_backward)."""
     whole = triton.next_power_of_2(n_cols)
     tiles = []
     if whole <= MAX_SINGLE_PASS_COLS:
-        tiles += [(rows, whole) for rows in (1, 2, 4, 8, 16, 32, 64) if 1024 <= rows * whole <= 8192 or
-                  (rows == 1 and whole > 8192)]
+        tiles += [(rows, whole, two_pass) for rows in (1, 2, 4, 8, 16, 32, 64) for two_pass in (False, True)
+                  if 1024 <= rows * whole <= 8192 or (rows == 1 and whole > 8192)]
     # Chunked tiles of several rows share each pass over the program's dw row among them. Up to 32768 elements:
     # the backward's first pass reads the forward's rstd instead of accumulating sum(h^2), so 8 x 4096 and
     # 4 x 8192 fit on 16 warps without spilling (ptxas, sm_90a).
-    tiles += [(rows, cols) for cols in LOOPED_BLOCK_COLS for rows in ((1,) if unaligned else (1, 2, 4, 8))
+    tiles += [(rows, cols, False) for cols in LOOPED_BLOCK_COLS for rows in ((1,) if unaligned else (1, 2, 4, 8))
               if cols < whole and rows * cols <= 32768]
     return tiles
 
@@ -70,18 +74,20 @@ def tune(kernel_module, n_cols, multiprocessors, unaligned, kernels=("forward", 
     align = kernel_module.row_alignment(x.element_size(), [layout], n_rows, n_cols)
     assert (align is None) == unaligned, (n_cols, align)
     best = {"forward": None, "backward": None}
-    for block_rows, block_cols in candidate_tiles(n_cols, unaligned):
+    for block_rows, block_cols, two_pass in candidate_tiles(n_cols, unaligned):
         for warps in UNALIGNED_WARPS if unaligned else WARPS:
             if unaligned and block_rows * block_cols > UNALIGNED_MAX_ELEMENTS_PER_THREAD * 32 * warps:
                 continue
             tile = dict(block_rows=block_rows, block_cols=block_cols, num_warps=warps)
             if "forward" in kernels:
+                forward_tile = {**tile, "two_pass": True} if two_pass else tile
                 fwd = time_ms(lambda: kernel_module.rms_norm_forward(x, layout, w, None, None, y, None, rstd, n_rows,
-                                                                     n_cols, 1e-6, "llama", **tile, align=align))
+                                                                     n_cols, 1e-6, "llama", **forward_tile,
+                                                                     align=align))
                 if best["forward"] is None or fwd < best["forward"][0]:
-                    best["forward"] = (fwd, tile)
+                    best["forward"] = (fwd, forward_tile)
             backward_grids = UNALIGNED_PROGRAMS_PER_SM if unaligned else PROGRAMS_PER_SM
-            for per_sm in backward_grids if "backward" in kernels else ():
+            for per_sm in backward_grids if "backward" in kernels and not two_pass else ():
                 bwd = time_ms(lambda: kernel_module.rms_norm_backward(
                     dy, layout, x, layout, rstd, w, None, None, dx, dw, n_rows, n_cols, 1e-6, "llama", **tile,
                     num_programs=per_sm * multiprocessors, align=align))

@@ -176,7 +176,7 @@ def _rms_norm_forward_kernel(
     r_stride_outer, r_stride_inner, r_stride_col,
     MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, SINGLE_PASS: tl.constexpr, ALIGN: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, OUTPUT_COLS: tl.constexpr,
 ):
     n_cols = _as_multiple(n_cols, ALIGN)  # see "Row alignment" above
     x_stride_outer = _as_multiple(x_stride_outer, ALIGN)
@@ -202,22 +202,21 @@ def _rms_norm_forward_kernel(
         y = _scale_by_weight(h * rstd[:, None], w_ptr, cols, col_mask, input_dtype, MODE, HAS_WEIGHT)
         tl.store(y_ptr + out_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        # Rows too long for one block: pass 1 reduces sum(h^2) block by block, pass 2 reads h again (x, or the
-        # residual_out that pass 1 stored) and writes y. For pass 2 to find h in L2, pass 1 marks the lines that
-        # pass 2 reads evict_last and everything else, read or written for the last time, evict_first. Pass 1
-        # reduces each block as it arrives (a running (BLOCK_ROWS, BLOCK_COLS) sum would not fit beside a
-        # prefetched block in the 32768-column blocks of the H200 table) and, with PREFETCH, issues each block's
-        # loads one iteration ahead. Pass 2 takes half-width blocks: it reads from L2, and full-width ones were
-        # slower everywhere (up to 1.5x with 2-byte accesses). H200, CUDA graphs, bf16, us: 4096 x 65536 327 -> 280
-        # (copy floor 253), 4096 x 131072 727 -> 657, 8192 x 32768 (whole-row tile before) 281 -> 258.
+        # Rows too long for one block (or a whole-row tile run in two passes: see rms_norm_forward): pass 1 reduces
+        # sum(h^2) block by block, pass 2 reads h again (x, or the residual_out that pass 1 stored) and writes y, in
+        # blocks of OUTPUT_COLS. For pass 2 to find h in L2, pass 1 marks the lines that pass 2 reads evict_last and
+        # everything else, read or written for the last time, evict_first. Pass 1 reduces each block as it arrives
+        # (a running (BLOCK_ROWS, BLOCK_COLS) sum would not fit beside a prefetched block in the 32768-column blocks
+        # of the H200 table) and, with PREFETCH, issues each block's loads one iteration ahead. H200, CUDA graphs,
+        # bf16, us: 4096 x 65536 327 -> 280 (copy floor 253), 4096 x 131072 727 -> 657, 8192 x 32768 (whole-row tile
+        # before) 281 -> 258.
         sum_sq = _sum_of_squares(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_col, residual_out_ptr,
                                  out_rows, row_mask, n_cols, HAS_RESIDUAL, BLOCK_COLS, PREFETCH)
         rstd = tl.rsqrt(sum_sq / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-        SECOND_PASS_COLS: tl.constexpr = BLOCK_COLS // 2
-        n_chunks = tl.cdiv(n_cols, SECOND_PASS_COLS)
+        n_chunks = tl.cdiv(n_cols, OUTPUT_COLS)
         for chunk in range(0, n_chunks):  # backwards: see _chunk_start
-            cols = _chunk_start(chunk, n_chunks, SECOND_PASS_COLS) + tl.arange(0, SECOND_PASS_COLS)
+            cols = _chunk_start(chunk, n_chunks, OUTPUT_COLS) + tl.arange(0, OUTPUT_COLS)
             col_mask = cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
             if HAS_RESIDUAL:
@@ -450,7 +449,7 @@ def row_alignment(element_size, layouts, n_rows, n_cols):
 
 
 def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual_out, rstd, n_rows, n_cols, eps,
-                     mode, *, block_rows, block_cols, num_warps, align):
+                     mode, *, block_rows, block_cols, num_warps, align, two_pass=False):
     """Launch the forward kernel.
 
     ``x_layout``/``residual_layout`` are ``(rows_inner, stride_outer, stride_inner, stride_col)`` (see the module
@@ -462,6 +461,18 @@ def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual
     what a thread holds across the reduction, and with a second input (the residual) or 2-byte accesses (a 64-bit
     address per element) it was slower on the H200 (4096 x 65536 with a residual: 649 against 562 us; 16384 x 16383:
     436 against 395).
+
+    The output pass of rows longer than one block takes half-width blocks: it reads from L2, and full-width ones were
+    slower everywhere (up to 1.5x with 2-byte accesses).
+
+    ``two_pass`` (ignored with a residual) runs rows that fit in one block through the chunked kernel's two passes
+    too, one full-width block each: the output pass reads the row again (from L1 or L2) instead of holding it in
+    registers across the reduction, as torch.compile's kernel does. On the H200 (CUDA graphs, bf16, us) that won
+    on rows padded far past their length, where a tile of 4 warps then suffices: 16384 x 5000 85.3 -> 80.3 (copy
+    floor 77.1), 65536 x 5000 337.5 -> 310.4, 16384 x 4608 79.9 -> 74.0, 4096 x 5000 level (24.2 -> 24.4); but at
+    6144 columns it was level or slower, and on full tiles it won only with many rows (16384 x 16384 257.8 -> 253.6,
+    65536 x 4096 257 -> 251) and lost with fewer (4096 x 8192 34.2 -> 35.3, 1024 x 16384 19.6 -> 19.7, 1024 x 4096
+    4.9 -> 5.3), and with a residual (16384 x 4096: 133 -> 142). The H200 table uses it for 4097-5120 columns.
     """
     rows_inner = x_layout[0]
     r_strides = _row_strides(residual_layout) if residual is not None else (0, 0, 0)
@@ -471,8 +482,10 @@ def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual
          residual_out if residual_out is not None else y, rstd,
          n_rows, n_cols, rows_inner, eps, *_row_strides(x_layout), *r_strides),
         dict(MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
-             BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, SINGLE_PASS=block_cols >= n_cols,
-             ALIGN=align or 1, PREFETCH=align is not None and residual is None),
+             BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+             SINGLE_PASS=block_cols >= n_cols and not (two_pass and residual is None), ALIGN=align or 1,
+             PREFETCH=align is not None and residual is None and block_cols < n_cols,
+             OUTPUT_COLS=block_cols if block_cols >= n_cols else block_cols // 2),
         num_warps)
 
 

@@ -20,7 +20,8 @@ EPS = 1e-6
 
 # Row lengths covering one-block rows, odd sizes and the chunked (looped) path of the device's launch table.
 if ON_GPU:
-    SHAPES = [(4096, 4096), (3, 1000, 2048), (17, 8193), (1024, 16384), (64, 20000), (8, 65536), (2, 131075)]
+    SHAPES = [(4096, 4096), (3, 1000, 2048), (512, 5000), (17, 8193), (1024, 16384), (64, 20000), (8, 65536),
+              (2, 131075)]
 else:
     SHAPES = [(5, 1), (3, 7), (2, 3, 64), (9, 300), (4, 1000), (3, 1537)]
 
@@ -234,6 +235,27 @@ def test_both_whole_row_backward_schedules(fk, monkeypatch, tile, with_residual,
     monkeypatch.setattr(module, "pick", pick_tile)
     # Three programs in all, so that each walks several row blocks and hands its prefetched block on.
     monkeypatch.setattr(module, "multiprocessor_count", lambda device: 1)
+    check_against_references(fk, (37, n_cols), torch.bfloat16, "llama", True, with_residual)
+
+
+@pytest.mark.parametrize("n_cols", [1024, 1000, 997], ids=["aligned", "aligned-unproven", "off-boundaries"])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("block_rows", [1, 2])
+def test_whole_row_forward_read_twice(fk, monkeypatch, block_rows, with_residual, n_cols):
+    """A whole-row forward tile with ``two_pass`` (the row read again for the output instead of held across the
+    reduction; ignored with a residual) gives the reference results too, also with a padded last row block (37 rows
+    in pairs), whatever the device's launch table picks."""
+    module = importlib.import_module(fk.__name__ + ".rms_norm")
+    table_pick = module.pick
+
+    def pick_tile(family, kernel, device, n_cols):
+        config = table_pick(family, kernel, device, n_cols)
+        if not kernel.startswith("forward"):
+            return config
+        return {"block_rows": block_rows, "block_cols": 1 << (n_cols - 1).bit_length(), "num_warps": 4,
+                "two_pass": True}
+
+    monkeypatch.setattr(module, "pick", pick_tile)
     check_against_references(fk, (37, n_cols), torch.bfloat16, "llama", True, with_residual)
 
 

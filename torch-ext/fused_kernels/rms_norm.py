@@ -113,7 +113,8 @@ def _triton_forward(x, weight, residual, eps, mode, out_dtype):
     _triton_rms_norm.rms_norm_forward(
         x, x_layout, weight.contiguous() if weight is not None else None, residual, r_layout, y, residual_out, rstd,
         n_rows, n_cols, float(eps), mode,
-        block_rows=config["block_rows"], block_cols=config["block_cols"], num_warps=config["num_warps"], align=align)
+        block_rows=config["block_rows"], block_cols=config["block_cols"], num_warps=config["num_warps"], align=align,
+        two_pass=config.get("two_pass", False))
     return y, residual_out, rstd
 
 
