@@ -241,7 +241,7 @@ def test_both_whole_row_backward_schedules(fk, monkeypatch, tile, with_residual,
 @pytest.mark.parametrize("n_cols", [1024, 1000, 997], ids=["aligned", "aligned-unproven", "off-boundaries"])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("block_rows", [1, 2])
-def test_whole_row_forward_read_twice(fk, monkeypatch, block_rows, with_residual, n_cols):
+def test_whole_row_forward_read_twice(fk, poisoned_empty, monkeypatch, block_rows, with_residual, n_cols):
     """A whole-row forward tile with ``two_pass`` (the row read again for the output instead of held across the
     reduction; ignored with a residual) gives the reference results too, also with a padded last row block (37 rows
     in pairs), whatever the device's launch table picks."""
