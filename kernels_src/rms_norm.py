@@ -69,10 +69,17 @@ def _as_multiple(value, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(ptr, row_offsets, cols, stride_col, mask, POLICY: tl.constexpr):
-    """A (rows, cols) tile of a strided tensor, as fp32. ``POLICY``: the load's L2 eviction policy."""
+def _load_raw_tile(ptr, row_offsets, cols, stride_col, mask, POLICY: tl.constexpr):
+    """A (rows, cols) tile of a strided tensor in its own dtype (0 where masked). ``POLICY``: the load's L2 eviction
+    policy."""
     return tl.load(ptr + row_offsets[:, None] + cols[None, :] * stride_col, mask=mask, other=0.0,
-                   eviction_policy=POLICY).to(tl.float32)
+                   eviction_policy=POLICY)
+
+
+@triton.jit
+def _load_tile(ptr, row_offsets, cols, stride_col, mask, POLICY: tl.constexpr):
+    """``_load_raw_tile`` as fp32."""
+    return _load_raw_tile(ptr, row_offsets, cols, stride_col, mask, POLICY).to(tl.float32)
 
 
 @triton.jit
@@ -90,11 +97,10 @@ def _load_raw_input(x_ptr, x_rows, x_stride_col, residual_ptr, r_rows, r_stride_
                     HAS_RESIDUAL: tl.constexpr, POLICY: tl.constexpr):
     """One tile of x and one of the residual (x again without one), in their own dtypes, loaded with the L2 eviction
     policy ``POLICY``."""
-    x = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0, eviction_policy=POLICY)
+    x = _load_raw_tile(x_ptr, x_rows, cols, x_stride_col, mask, POLICY)
     residual = x
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + r_rows[:, None] + cols[None, :] * r_stride_col, mask=mask, other=0.0,
-                           eviction_policy=POLICY)
+        residual = _load_raw_tile(residual_ptr, r_rows, cols, r_stride_col, mask, POLICY)
     return x, residual
 
 
@@ -261,7 +267,7 @@ def _load_row_block(ptr, block, rows_inner, stride_outer, stride_inner, stride_c
     rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     offsets = _row_offsets(rows, rows_inner, stride_outer, stride_inner)
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
-    return tl.load(ptr + offsets[:, None] + cols[None, :] * stride_col, mask=mask, other=0.0)
+    return _load_raw_tile(ptr, offsets, cols, stride_col, mask, "")
 
 
 @triton.jit
