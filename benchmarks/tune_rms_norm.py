@@ -71,7 +71,7 @@ def tune(kernel_module, n_cols, multiprocessors, unaligned, kernels=("forward", 
     y, dx, dw = torch.empty_like(x), torch.empty_like(x), torch.empty_like(w)
     rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)  # the backward's input, whichever kernels are tuned
     layout = (n_rows, 0, n_cols, 1)
-    align = kernel_module.row_alignment(x.element_size(), [layout], n_rows, n_cols)
+    align = kernel_module.row_alignment(x.element_size(), (layout,), n_rows, n_cols)
     assert (align is None) == unaligned, (n_cols, align)
     best = {"forward": None, "backward": None}
     for block_rows, block_cols, two_pass in candidate_tiles(n_cols, unaligned):

@@ -300,7 +300,7 @@ def _scale_kernel(x_ptr, scale_ptr, n_cols, stride_row, n_col_blocks, n_blocks, 
 def loss_constants(target, weight, constants, n_rows, n_cols, ignore_index, weight_sum, *, block, num_warps):
     """Fill ``constants`` (fp32, 2 elements): [D, W]; W only when ``weight_sum`` (it needs class weights)."""
     launch(_loss_constants_kernel, (1,),
-           (target, weight if weight is not None else constants, constants, n_rows, n_cols, ignore_index),
+           (target, weight if weight is not None else constants, constants), (n_rows, n_cols, ignore_index),
            dict(HAS_WEIGHT=weight is not None, WEIGHT_SUM=weight_sum, BLOCK=block), num_warps)
 
 
@@ -347,8 +347,8 @@ def cross_entropy_rows(logits, target, weight, constants, loss, z_loss, row_stat
         _cross_entropy_kernel, (n_rows,),
         (logits, target, weight if weight is not None else constants, constants,
          grad_out if grad_out is not None else constants, loss if loss is not None else constants,
-         z_loss if z_loss is not None else constants, row_stats, dlogits if dlogits is not None else logits,
-         n_cols, n_classes, col_start, logits.stride(0), logits.stride(1),
+         z_loss if z_loss is not None else constants, row_stats, dlogits if dlogits is not None else logits),
+        (n_cols, n_classes, col_start, logits.stride(0), logits.stride(1),
          dlogits.stride(0) if dlogits is not None else 0, grad_out_stride, ignore_index, float(label_smoothing),
          float(lse_square_scale),
          float(softcap) if softcap is not None else 1.0),
@@ -367,5 +367,5 @@ def scale_(x, scale, *, block, num_warps, num_programs):
         return
     n_col_blocks = cdiv(n_cols, block)
     n_blocks = n_rows * n_col_blocks
-    launch(_scale_kernel, (min(n_blocks, num_programs),), (x2d, scale, n_cols, x2d.stride(0), n_col_blocks, n_blocks),
+    launch(_scale_kernel, (min(n_blocks, num_programs),), (x2d, scale), (n_cols, x2d.stride(0), n_col_blocks, n_blocks),
            dict(BLOCK=block), num_warps)

@@ -299,9 +299,9 @@ def _scheduling_fence():
 
 @triton.jit
 def _fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seed_ptr,
     fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, pairs_per_group, scale, softcap, window_left,
-    window_right, seed_ptr, drop_threshold, keep_scale,
+    window_right, drop_threshold, keep_scale,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -484,9 +484,9 @@ def _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_p
 
 @triton.jit(do_not_specialize=["group_size"])
 def _bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seed_ptr,
     fixed_seqlen_q, fixed_seqlen_k, n_heads, n_kv_heads, group_size, head_dim, pairs_per_group, scale, softcap,
-    window_left, window_right, seed_ptr, drop_threshold, keep_scale,
+    window_left, window_right, drop_threshold, keep_scale,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
@@ -547,8 +547,8 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, sink_ptr, dsink_rows_ptr, cu_seqlens_q_ptr,
-    cu_seqlens_k_ptr, fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, pairs_per_group, scale,
-    softcap, window_left, window_right, seed_ptr, drop_threshold, keep_scale,
+    cu_seqlens_k_ptr, seed_ptr, fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, pairs_per_group,
+    scale, softcap, window_left, window_right, drop_threshold, keep_scale,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
@@ -607,8 +607,8 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _dropout_mask_kernel(mask_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, fixed_seqlen_q, fixed_seqlen_k, n_heads,
-                         seed_ptr, drop_threshold, max_seqlen_q, max_seqlen_k,
+def _dropout_mask_kernel(mask_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seed_ptr, fixed_seqlen_q, fixed_seqlen_k,
+                         n_heads, drop_threshold, max_seqlen_q, max_seqlen_k,
                          IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          FLAT_GRID: tl.constexpr):
     """The keep mask as a (batch, heads, max_seqlen_q, max_seqlen_k) bool tensor (for return_attn_probs)."""
@@ -724,8 +724,9 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
     launch(
         _fwd_kernel, grid,
         (q, k_arg, v_arg, out, lse, sink if sink is not None else lse, cu_seqlens_q if varlen else lse,
-         cu_seqlens_k if varlen else lse, seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim,
-         pairs_per_group, scale, softcap, window[0], window[1], seed, threshold, keep_scale,
+         cu_seqlens_k if varlen else lse, seed),
+        (seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim,
+         pairs_per_group, scale, softcap, window[0], window[1], threshold, keep_scale,
          *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(out, varlen),
          *_lse_strides(lse, varlen)),
         dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_SINK=sink is not None, HAS_DROPOUT=dropout_p > 0,
@@ -765,13 +766,14 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     threshold, keep_scale = _dropout_args(dropout_p)
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
     lse_strides = _lse_strides(lse, varlen)
-    shared = (scale, softcap, window[0], window[1], seed, threshold, keep_scale)
+    shared = (scale, softcap, window[0], window[1], threshold, keep_scale)
     flags = dict(IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=dropout_p > 0)
     grid, flat = _tile_grid(cdiv(seqlen_q, dq_tile["block_m"]), n_batch * n_heads)
     launch(
         _bwd_dq_kernel, grid,
         (q, k_arg, v_arg, out, dout, lse, delta, dq, sink if sink is not None else lse,
-         dsink_rows if dsink_rows is not None else lse, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, group_size,
+         dsink_rows if dsink_rows is not None else lse, cu_q, cu_k, seed),
+        (seqlen_q, seqlen_k, n_heads, group_size,
          head_dim, dq_pairs_per_group, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
          *_strides3(v, varlen), *_strides3(out, varlen), *_strides3(dout, varlen), *_strides3(dq, varlen),
          *lse_strides),
@@ -782,8 +784,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     grid, flat = _tile_grid(cdiv(seqlen_k, dkdv_tile["block_n"]), n_batch * n_kv_heads)
     launch(
         _bwd_dkdv_kernel, grid,
-        (q_arg, k, v, dout_arg, lse, delta, dk, dv, cu_q, cu_k, seqlen_q, seqlen_k, n_heads, n_kv_heads, group_size,
-         head_dim, dkdv_pairs_per_group, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
+        (q_arg, k, v, dout_arg, lse, delta, dk, dv, cu_q, cu_k, seed),
+        (seqlen_q, seqlen_k, n_heads, n_kv_heads, group_size, head_dim, dkdv_pairs_per_group, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
          *_strides3(v, varlen), *_strides3(dout, varlen), *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides),
         dict(**flags, BLOCK_M=dkdv_tile["block_m"], BLOCK_N=dkdv_tile["block_n"], BLOCK_D=block_d, FLAT_GRID=flat,
              ONE_LOOP=dkdv_tile.get("one_loop", False), HEAVY_FIRST=dkdv_pairs_per_group > 0, DESC=dkdv_desc,
@@ -800,6 +802,6 @@ def dropout_keep_mask(mask, seed, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k
     grid, flat = _tile_grid(cdiv(seqlen_q, block_m), mask.shape[0] * mask.shape[1])
     launch(
         _dropout_mask_kernel, grid,
-        (mask, cu_seqlens_q if varlen else seed, cu_seqlens_k if varlen else seed, seqlen_q, seqlen_k,
-         mask.shape[1], seed, threshold, seqlen_q, seqlen_k),
+        (mask, cu_seqlens_q if varlen else seed, cu_seqlens_k if varlen else seed, seed),
+        (seqlen_q, seqlen_k, mask.shape[1], threshold, seqlen_q, seqlen_k),
         dict(IS_VARLEN=varlen, BLOCK_M=block_m, BLOCK_N=block_n, FLAT_GRID=flat), 4)

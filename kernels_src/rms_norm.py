@@ -37,6 +37,8 @@ walks its row blocks and accumulates its share of dw in fp32, written once to ``
 program walks its rows and whether it reads the stored rstd depends on the tile (see the backward kernel).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -435,13 +437,15 @@ def _row_strides(layout):
     return stride_outer, stride_inner, stride_col
 
 
+@functools.lru_cache(maxsize=4096)
 def row_alignment(element_size, layouts, n_rows, n_cols):
     """The launchers' ``align`` for rows of ``layouts``: 1 when Triton proves every row 16-byte aligned itself (row
     length and strides multiples of 16 elements), the elements per 16 bytes when the row length and every stride
     that a row uses are multiples of that (a stride that no row uses, the outer one when all rows are in the inner
     group or the inner one when that group has one row, may be anything: rewriting it changes no offset), and None
     when the rows are not all aligned or a column stride is not 1: the kernels then move 2 or 4 bytes per access,
-    and the ops pick their launches from the tables for such rows (``forward_unaligned``, ``backward_unaligned``)."""
+    and the ops pick their launches from the tables for such rows (``forward_unaligned``, ``backward_unaligned``).
+    ``layouts`` is a tuple (cached: a model has a few layouts, and the walk costs ~1 us of host time per call)."""
     if any(layout[3] != 1 for layout in layouts):
         return None
     align = 16 // element_size
@@ -485,8 +489,8 @@ def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual
     launch(
         _rms_norm_forward_kernel, (cdiv(n_rows, block_rows),),
         (x, residual if residual is not None else x, weight if weight is not None else x, y,
-         residual_out if residual_out is not None else y, rstd,
-         n_rows, n_cols, rows_inner, eps, *_row_strides(x_layout), *r_strides),
+         residual_out if residual_out is not None else y, rstd),
+        (n_rows, n_cols, rows_inner, eps, *_row_strides(x_layout), *r_strides),
         dict(MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
              BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
              SINGLE_PASS=block_cols >= n_cols and not (two_pass and residual is None), ALIGN=align or 1,
@@ -518,7 +522,8 @@ def rms_norm_backward(dy, dy_layout, h, h_layout, rstd, weight, d_residual_out, 
     launch(
         _rms_norm_backward_kernel, (num_programs,),
         (dy, h, rstd, weight if weight is not None else h, d_residual_out if d_residual_out is not None else dy,
-         dx, dw_partial, n_rows, n_cols, rows_inner, eps,
+         dx, dw_partial),
+        (n_rows, n_cols, rows_inner, eps,
          *_row_strides(dy_layout), *_row_strides(h_layout), *dr_strides),
         dict(MODE=MODE_IDS[mode], HAS_WEIGHT=weight is not None, COMPUTE_DW=dw is not None,
              HAS_D_RESIDUAL=d_residual_out is not None,
@@ -529,5 +534,5 @@ def rms_norm_backward(dy, dy_layout, h, h_layout, rstd, weight, d_residual_out, 
         # Narrow strips and tall tiles: enough programs, and enough bytes in flight per program, that summing
         # a few thousand partial rows stays cheap next to the main kernel.
         strip = min(32, next_power_of_2(n_cols))
-        launch(_column_sum_kernel, (cdiv(n_cols, strip),), (dw_partial, dw, num_programs, n_cols),
+        launch(_column_sum_kernel, (cdiv(n_cols, strip),), (dw_partial, dw), (num_programs, n_cols),
                dict(BLOCK_ROWS=128, BLOCK_COLS=strip), 8)

@@ -18,9 +18,10 @@ in the output's dtype.
 
 cos/sin have R columns laid out as their convention duplicates each angle: ``cat(freqs, freqs)`` for
 HALF_SPLIT (column i is read, i < R/2) and ``repeat_interleave(freqs, 2)`` for INTERLEAVED (column 2i is
-read). Their row for (batch b, position s) is either ``b * stride_b + s * stride_s`` (tables already gathered
-per position, batch stride 0 to broadcast), or, with ``HAS_POSITIONS``, ``position_ids[b, s] * stride_s``
-into a (max_positions, R) cache; a position outside the cache reads NaN instead of out-of-bounds memory.
+read). Each is read through its own strides (they need not match). The row for (batch b, position s) is either
+``b * stride_b + s * stride_s`` (tables already gathered per position, batch stride 0 to broadcast), or, with
+``HAS_POSITIONS``, ``position_ids[b, s] * stride_s`` into a (max_positions, R) cache; a position outside the cache
+reads NaN instead of out-of-bounds memory.
 
 ROTARY_DIM and HEAD_DIM are compile-time constants: a model has one of each, and known column bounds let
 the compiler prove whole 16-byte groups in or out of the masks, which keeps the loads and stores vectorised
@@ -93,7 +94,7 @@ def _rope_kernel(
     qo_stride_b, qo_stride_s, qo_stride_h, qo_stride_d,
     k_stride_b, k_stride_s, k_stride_h, k_stride_d,
     ko_stride_b, ko_stride_s, ko_stride_h, ko_stride_d,
-    cos_stride_b, cos_stride_s, cos_stride_d, pos_stride_b, pos_stride_s,
+    cos_stride_b, cos_stride_s, cos_stride_d, sin_stride_b, sin_stride_s, sin_stride_d, pos_stride_b, pos_stride_s,
     ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, CONVENTION: tl.constexpr, INVERSE: tl.constexpr,
     HAS_POSITIONS: tl.constexpr, COPY_TAIL: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
@@ -109,20 +110,23 @@ def _rope_kernel(
         cache_rows = tl.load(pos_ptr + batch * pos_stride_b + positions * pos_stride_s, mask=pos_mask,
                              other=0).to(tl.int64)
         angle_mask = pos_mask & (cache_rows >= 0) & (cache_rows < max_positions)
-        angle_rows = cache_rows * cos_stride_s
+        cos_rows = cache_rows * cos_stride_s
+        sin_rows = cache_rows * sin_stride_s
     else:
         angle_mask = pos_mask
-        angle_rows = batch * cos_stride_b + positions * cos_stride_s
+        cos_rows = batch * cos_stride_b + positions * cos_stride_s
+        sin_rows = batch * sin_stride_b + positions * sin_stride_s
     pairs = tl.arange(0, BLOCK_PAIRS)
     if CONVENTION == INTERLEAVED:
         angle_cols = 2 * pairs
     else:
         angle_cols = pairs
-    angle_offsets = angle_rows[:, None] + (angle_cols * cos_stride_d)[None, :]
     angle_load_mask = angle_mask[:, None] & (pairs < ROTARY_DIM // 2)[None, :]
     # NaN for a position outside the cache: the rows it produces show the error instead of hiding it.
-    cos = tl.load(cos_ptr + angle_offsets, mask=angle_load_mask, other=float("nan")).to(tl.float32)
-    sin = tl.load(sin_ptr + angle_offsets, mask=angle_load_mask, other=float("nan")).to(tl.float32)
+    cos = tl.load(cos_ptr + cos_rows[:, None] + (angle_cols * cos_stride_d)[None, :], mask=angle_load_mask,
+                  other=float("nan")).to(tl.float32)
+    sin = tl.load(sin_ptr + sin_rows[:, None] + (angle_cols * sin_stride_d)[None, :], mask=angle_load_mask,
+                  other=float("nan")).to(tl.float32)
     if INVERSE:
         sin = -sin
 
@@ -165,16 +169,18 @@ def rope(q, k, q_out, k_out, cos, sin, position_ids, rotary_dim, interleaved, in
     copy_tail = rotary_dim < head_dim and q_out is not q
     has_positions = position_ids is not None
     if has_positions:
-        cos_strides = (0, *cos.stride())  # (unused batch, row, column)
+        # (unused batch, row, column)
+        cos_strides, sin_strides = (0, *cos.stride()), (0, *sin.stride())
         position_strides = _batch_broadcast_strides(position_ids)
     else:
-        cos_strides, position_strides = _batch_broadcast_strides(cos), (0, 0)
+        cos_strides, sin_strides = _batch_broadcast_strides(cos), _batch_broadcast_strides(sin)
+        position_strides = (0, 0)
     launch(
         _rope_kernel, (cdiv(seq_len, block_s) * batch,),
-        (q, k, q_out, k_out, cos, sin, position_ids if has_positions else cos,
-         seq_len, n_q_heads, n_k_heads, cos.shape[0] if has_positions else 0,
+        (q, k, q_out, k_out, cos, sin, position_ids if has_positions else cos),
+        (seq_len, n_q_heads, n_k_heads, cos.shape[0] if has_positions else 0,
          *q_strides, *_logical_layout(q_out, heads_dim)[1], *_logical_layout(k, heads_dim)[1],
-         *_logical_layout(k_out, heads_dim)[1], *cos_strides, *position_strides),
+         *_logical_layout(k_out, heads_dim)[1], *cos_strides, *sin_strides, *position_strides),
         dict(ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim, CONVENTION=(INTERLEAVED if interleaved else HALF_SPLIT).value,
              INVERSE=inverse, HAS_POSITIONS=has_positions, COPY_TAIL=copy_tail, BLOCK_S=block_s,
              BLOCK_HQ=min(block_h, next_power_of_2(max(n_q_heads, 1))),

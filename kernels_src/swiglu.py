@@ -160,7 +160,7 @@ def gated_forward(gate, gate_layout, up, up_layout, out, out_stride_row, n_rows,
     (gate_layout, up_layout), out_stride_row, n_rows, n_cols, block_rows, block_cols = _one_row_launch(
         (gate_layout, up_layout), out_stride_row, n_rows, n_cols, block_rows, block_cols)
     launch(_gated_forward_kernel, _grid(n_rows, n_cols, block_rows, block_cols),
-           (gate, up, out, n_rows, n_cols, gate_layout[0], *gate_layout[1:], *up_layout[1:], out_stride_row),
+           (gate, up, out), (n_rows, n_cols, gate_layout[0], *gate_layout[1:], *up_layout[1:], out_stride_row),
            dict(ACTIVATION=ACTIVATION_IDS[activation], BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols), num_warps)
 
 
@@ -173,6 +173,6 @@ def gated_backward(dout, dout_layout, gate, gate_layout, up, up_layout, d_gate, 
     (dout_layout, gate_layout, up_layout), d_stride_row, n_rows, n_cols, block_rows, block_cols = _one_row_launch(
         (dout_layout, gate_layout, up_layout), d_stride_row, n_rows, n_cols, block_rows, block_cols)
     launch(_gated_backward_kernel, _grid(n_rows, n_cols, block_rows, block_cols),
-           (dout, gate, up, d_gate, d_up, n_rows, n_cols, gate_layout[0], *dout_layout[1:], *gate_layout[1:],
+           (dout, gate, up, d_gate, d_up), (n_rows, n_cols, gate_layout[0], *dout_layout[1:], *gate_layout[1:],
             *up_layout[1:], d_stride_row),
            dict(ACTIVATION=ACTIVATION_IDS[activation], BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols), num_warps)

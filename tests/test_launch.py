@@ -46,8 +46,33 @@ def test_cached_launch_matches_first_launch(fk, offset):
     for n_rows, n_cols in [(37, 45), (37, 45), (200, 64), (200, 64)]:
         partial = torch.randn(n_rows * n_cols + offset, device="cuda")[offset:].view(n_rows, n_cols)
         out = torch.full((n_cols + offset,), float("nan"), device="cuda")[offset:]
-        launch.launch(kernel, (2,), (partial, out, n_rows, n_cols), {"BLOCK_ROWS": 16, "BLOCK_COLS": 32}, 4)
+        launch.launch(kernel, (2,), (partial, out), (n_rows, n_cols), {"BLOCK_ROWS": 16, "BLOCK_COLS": 32}, 4)
         torch.testing.assert_close(out, partial.double().sum(0).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_value_memo_serves_new_values_and_alignments(fk, monkeypatch):
+    """Calls with new scalar values of a known specialisation (45 and 47 columns: neither 1 nor a multiple of 16), with
+    values of another (64 columns, a multiple of 16, which the compiled kernel may assume) and with pointers that
+    change alignment run right, through the value memo and after it empties itself."""
+    launch = fk._kernels._launch
+    kernel = fk._kernels.rms_norm._column_sum_kernel
+    monkeypatch.setattr(launch, "_BY_VALUE_LIMIT", 3)
+    monkeypatch.setattr(launch, "_by_value", {})  # earlier tests' entries, beyond the limit
+    for n_rows, n_cols, offset in [(37, 64, 0), (37, 45, 0), (37, 47, 0), (37, 64, 1), (19, 47, 1), (37, 45, 0), (37, 64, 0), (37, 47, 1)] * 2:
+        partial = torch.randn(n_rows * n_cols + offset, device="cuda")[offset:].view(n_rows, n_cols)
+        out = torch.full((n_cols + offset,), float("nan"), device="cuda")[offset:]
+        launch.launch(kernel, (2,), (partial, out), (n_rows, n_cols), {"BLOCK_ROWS": 16, "BLOCK_COLS": 32}, 4)
+        torch.testing.assert_close(out, partial.double().sum(0).float(), rtol=1e-5, atol=1e-5)
+        assert len(launch._by_value) <= 3
+
+
+def test_scalars_must_be_numbers(fk):
+    """A tensor among the scalars (their values key the memo) is refused, naming the kernel."""
+    launch = fk._kernels._launch
+    kernel = fk._kernels.rms_norm._column_sum_kernel
+    partial, out = torch.zeros(4, 4, device="cuda"), torch.zeros(4, device="cuda")
+    with pytest.raises(TypeError, match="_column_sum_kernel's scalars must be ints, floats or bools"):
+        launch.launch(kernel, (1,), (partial,), (out, 4, 4), {"BLOCK_ROWS": 16, "BLOCK_COLS": 32}, 4)
 
 
 @triton.jit
@@ -75,7 +100,7 @@ def test_descriptor_keys_separate_every_triton_specialisation(fk):
             assert seen.setdefault(ours, theirs) == theirs, f"one key for two specialisations: {dtype} {block}"
             for _ in range(2):  # the first launch compiles through Triton, the second uses the cache
                 out.fill_(float("nan"))
-                launch.launch(_copy_tile_kernel, (1,), args, {"BLOCK": block}, 4)
+                launch.launch(_copy_tile_kernel, (1,), args[:2], args[2:], {"BLOCK": block}, 4)
                 expected = torch.zeros(block, block, device="cuda")
                 expected[:min(rows, block), :min(cols, block)] = source[:block, :block].float()
                 assert torch.equal(out, expected)
@@ -86,7 +111,7 @@ def test_constexprs_must_follow_runtime_arguments(fk):
     kernel = fk._kernels.rms_norm._column_sum_kernel
     partial, out = torch.zeros(4, 4, device="cuda"), torch.zeros(4, device="cuda")
     with pytest.raises(ValueError, match="runtime arguments in order"):
-        launch.launch(kernel, (1,), (partial, out, 4, 4), {"BLOCK_COLS": 32, "BLOCK_ROWS": 16}, 4)
+        launch.launch(kernel, (1,), (partial, out), (4, 4), {"BLOCK_COLS": 32, "BLOCK_ROWS": 16}, 4)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -98,5 +123,5 @@ def test_launches_on_the_tensors_device(fk):
     for _ in range(2):  # the first launch compiles through Triton, the second uses the cache
         out = torch.full((45,), float("nan"), device="cuda:1")
         with torch.cuda.device(0):
-            launch.launch(kernel, (2,), (partial, out, 37, 45), {"BLOCK_ROWS": 16, "BLOCK_COLS": 32}, 4)
+            launch.launch(kernel, (2,), (partial, out), (37, 45), {"BLOCK_ROWS": 16, "BLOCK_COLS": 32}, 4)
         torch.testing.assert_close(out, partial.double().sum(0).float(), rtol=1e-5, atol=1e-5)

@@ -243,6 +243,26 @@ def test_cached_positions(fk, poisoned_empty, convention, position_dtype, heads_
                              interleaved, position_ids, cos_cache, sin_cache)
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_cos_and_sin_with_different_strides(fk, poisoned_empty, cached):
+    """cos and sin need not share a memory layout (here sin is a column-major copy): each is read through its own
+    strides, never through the other's."""
+    batch, seq, q_heads, k_heads, head_dim, rotary_dim = SHAPES[1]
+    q, k = make_qk(batch, seq, q_heads, k_heads, head_dim, torch.float32)
+    if cached:
+        cos_cache, sin_cache = cache_tables(2 * seq + 3, rotary_dim, False, torch.float32)
+        sin_cache = sin_cache.t().contiguous().t()
+        position_ids = torch.randint(0, cos_cache.shape[0], (batch, seq), device=DEVICE)
+        check_against_references(fk, q, k, cos_cache[position_ids], sin_cache[position_ids], 1, False, position_ids,
+                                 cos_cache, sin_cache)
+    else:
+        positions = torch.arange(seq, device=DEVICE) + torch.arange(batch, device=DEVICE)[:, None]
+        cos, sin = angle_tables(batch, seq, rotary_dim, False, torch.float32, positions=positions)
+        sin = sin.transpose(1, 2).contiguous().transpose(1, 2)
+        assert sin.stride() != cos.stride()
+        check_against_references(fk, q, k, cos, sin, 1, False)
+
+
 def test_cached_positions_shared_over_the_batch(fk):
     batch, seq = 3, 6
     cos_cache, sin_cache = cache_tables(20, 16, False, torch.float32)

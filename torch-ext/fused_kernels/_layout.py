@@ -53,15 +53,15 @@ def _plan(shape: tuple[int, ...], strides: tuple[tuple[int, ...], ...]):
     Cached: a model calls an op with a handful of shape/stride combinations, and recomputing this costs
     ~10 us of Python per call, as much as the kernel of a small layer."""
     for split in range(len(shape)):
-        layouts = [_layout_at_split(shape, stride, split) for stride in strides]
+        layouts = tuple(_layout_at_split(shape, stride, split) for stride in strides)
         if all(layout is not None for layout in layouts):
             return (False,) * len(strides), layouts
     copy = tuple(_layout_at_split(shape, stride, 0) is None for stride in strides)
     contiguous = _contiguous_strides(shape)
-    return copy, [_layout_at_split(shape, contiguous if c else stride, 0) for c, stride in zip(copy, strides)]
+    return copy, tuple(_layout_at_split(shape, contiguous if c else stride, 0) for c, stride in zip(copy, strides))
 
 
-def shared_row_layouts(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], list[RowLayout]]:
+def shared_row_layouts(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], tuple[RowLayout, ...]]:
     """Row layouts with one common ``rows_inner`` for tensors of one shape.
 
     Returns the tensors (unchanged, except that a tensor whose leading dimensions cannot be split into two

@@ -101,7 +101,8 @@ def _torch_backward(dout, gate, up, activation):
 
 def _triton_forward(gate, up, activation):
     n_cols = gate.shape[-1]
-    out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    # empty_like: a third of the host time of torch.empty(shape, device=..., dtype=...).
+    out = torch.empty_like(gate, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
     (gate, up), (gate_layout, up_layout) = shared_row_layouts(gate, up)
@@ -134,7 +135,7 @@ def _forward(gate, up, activation):
 def _backward(dout, gate, up, activation):
     """(d_gate, d_up), two new tensors of gate's shape."""
     if _checks.runs_triton(gate):
-        d_gate = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+        d_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
         d_up = torch.empty_like(d_gate)
         _triton_backward(dout, gate, up, d_gate, d_up, gate.shape[-1], activation)
         return d_gate, d_up
@@ -145,7 +146,7 @@ def _backward_fused(dout, gate_up, activation):
     """The gradient of the fused input: one (..., 2I) tensor, its halves written by the kernel in place."""
     gate, up = _halves(gate_up)
     if _checks.runs_triton(gate_up):
-        d_gate_up = torch.empty(gate_up.shape, device=gate_up.device, dtype=gate_up.dtype)
+        d_gate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
         d_gate, d_up = _halves(d_gate_up)
         _triton_backward(dout, gate, up, d_gate, d_up, gate_up.shape[-1], activation)
         return d_gate_up
