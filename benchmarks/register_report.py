@@ -128,8 +128,8 @@ def recorded_launches(flash_attn, head_dim, group, tiles):
     launches = {}
     tiles = {kernel: {**tile, "desc_min_flops": 0} for kernel, tile in tiles.items()}
 
-    def record(kernel, grid, args, constexprs, num_warps, num_stages=None):
-        launches[kernel.__name__] = (kernel, args, constexprs, num_warps, num_stages)
+    def record(kernel, grid, pointers, scalars, constexprs, num_warps, num_stages=None):
+        launches[kernel.__name__] = (kernel, (*pointers, *scalars), constexprs, num_warps, num_stages)
 
     batch, seq, kv_heads = 1, 4096, 2
     heads = kv_heads * group
