@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 _compiled: dict[tuple, object] = {}  # specialisation key -> compiled kernel
 _by_value: dict[tuple, object] = {}  # (pointer key, scalar values) -> compiled kernel; a memo of _compiled
-_BY_VALUE_LIMIT = 1 << 14
+_BY_VALUE_LIMIT = 1 << 12  # keys of ~1-2 KB: a few MB at most
 _SCALAR_TYPES = (int, float)  # bool is an int
 
 
@@ -87,9 +87,9 @@ def launch(kernel, grid: tuple[int, ...], pointers: tuple, scalars: tuple, const
     Triton's per-call binding (``num_stages`` None: Triton's default software pipelining depth).
 
     The kernel's runtime arguments in its parameter order: first ``pointers`` (tensors and host tensor descriptors,
-    the first one a tensor or a descriptor; a placeholder for a pointer a constexpr switches off may be any value
-    listed as a scalar below), then ``scalars`` (ints, floats, bools); ``constexprs`` are its ``tl.constexpr``
-    parameters, which must follow them in the signature. The kernel runs on the first pointer's device, whatever the
+    the first one a tensor or a descriptor; a pointer that a constexpr switches off may be given an int instead),
+    then ``scalars`` (ints, floats, bools); ``constexprs`` are its ``tl.constexpr`` parameters, which must follow
+    them in the signature. The kernel runs on the first pointer's device, whatever the
     current device is (Triton itself launches on the current one, which breaks models split across GPUs in one
     process).
     """

@@ -58,7 +58,8 @@ def test_value_memo_serves_new_values_and_alignments(fk, monkeypatch):
     kernel = fk._kernels.rms_norm._column_sum_kernel
     monkeypatch.setattr(launch, "_BY_VALUE_LIMIT", 3)
     monkeypatch.setattr(launch, "_by_value", {})  # earlier tests' entries, beyond the limit
-    for n_rows, n_cols, offset in [(37, 64, 0), (37, 45, 0), (37, 47, 0), (37, 64, 1), (19, 47, 1), (37, 45, 0), (37, 64, 0), (37, 47, 1)] * 2:
+    calls = [(37, 64, 0), (37, 45, 0), (37, 47, 0), (37, 64, 1), (19, 47, 1), (37, 45, 0), (37, 64, 0), (37, 47, 1)]
+    for n_rows, n_cols, offset in calls * 2:
         partial = torch.randn(n_rows * n_cols + offset, device="cuda")[offset:].view(n_rows, n_cols)
         out = torch.full((n_cols + offset,), float("nan"), device="cuda")[offset:]
         launch.launch(kernel, (2,), (partial, out), (n_rows, n_cols), {"BLOCK_ROWS": 16, "BLOCK_COLS": 32}, 4)
