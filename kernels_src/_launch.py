@@ -114,16 +114,12 @@ def _launch_on(device: int, kernel, grid, pointers, scalars, constexprs, num_war
     constexpr_values = tuple(constexprs.values())
     # id(kernel): a JITFunction hashes its source digest in Python (~1 us); our kernels are module-level objects that
     # live as long as the process, so their ids never pass to another kernel.
-    value_key = (id(kernel), device, num_warps, num_stages, constexpr_values, scalars, tuple([
-        (value.dtype, value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor)
-        else _descriptor_key(value) if isinstance(value, TensorDescriptor)
-        else value
-        for value in pointers
-    ]))
+    pointer_key = _args_key(pointers)  # the pointers' specialisation; the scalars are keyed by value
+    value_key = (id(kernel), device, num_warps, num_stages, constexpr_values, scalars, pointer_key)
     compiled = _by_value.get(value_key)
     if compiled is None:
-        compiled = _specialised(device, kernel, grid, pointers, scalars, constexprs, constexpr_values, num_warps,
-                                num_stages)
+        compiled = _specialised(device, kernel, grid, pointers, pointer_key, scalars, constexprs, constexpr_values,
+                                num_warps, num_stages)
         if compiled is None:  # Triton compiled and launched it; the next call with these values finds it
             return
         if len(_by_value) >= _BY_VALUE_LIMIT:
@@ -136,14 +132,16 @@ def _launch_on(device: int, kernel, grid, pointers, scalars, constexprs, num_war
                  *pointers, *scalars, *constexpr_values)
 
 
-def _specialised(device, kernel, grid, pointers, scalars, constexprs, constexpr_values, num_warps, num_stages):
-    """The compiled kernel of these arguments' specialisation; None when there was none yet, after launching the call
-    through ``kernel[grid](...)``, which compiles it (or loads it from Triton's cache)."""
+def _specialised(device, kernel, grid, pointers, pointer_key, scalars, constexprs, constexpr_values, num_warps,
+                 num_stages):
+    """The compiled kernel of these arguments' specialisation (``pointer_key``: ``_args_key(pointers)``); None when
+    there was none yet, after launching the call through ``kernel[grid](...)``, which compiles it (or loads it from
+    Triton's cache)."""
     if not all(isinstance(value, _SCALAR_TYPES) for value in scalars):
         raise TypeError(f"launch: {kernel.__name__}'s scalars must be ints, floats or bools, got "
                         f"{[type(value).__name__ for value in scalars]}")
     args = (*pointers, *scalars)
-    key = (id(kernel), device, num_warps, num_stages, constexpr_values, _args_key(args))
+    key = (id(kernel), device, num_warps, num_stages, constexpr_values, pointer_key + _args_key(scalars))
     compiled = _compiled.get(key)
     if compiled is None:
         if kernel.arg_names[len(args):] != list(constexprs):
