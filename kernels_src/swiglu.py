@@ -18,7 +18,10 @@ programs stream neighbouring memory. Triton specialises a column stride of 1 and
 row strides, which is what lets the common layouts use 16-byte vector loads and stores.
 
 Backward. ``d_up = dout * act(gate)`` and ``d_gate = dout * up * act'(gate)``; ``act`` is recomputed from
-``gate``, so nothing but the inputs is kept for the backward.
+``gate``, so nothing but the inputs is kept for the backward. With ``STORE_PRODUCT`` the backward also writes the
+forward's output ``act(gate) * up`` over ``dout``, each element where it was read: an MLP whose backward needs that
+product (for the down projection's weight gradient) and owns ``dout`` then gets it from the same pass instead of
+a second one that reads gate and up again.
 """
 
 import triton
@@ -70,13 +73,19 @@ def _tile(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
 
 
 @triton.jit
-def _load(ptr, rows, cols, rows_inner, stride_outer, stride_inner, stride_col, mask):
-    """A tile of a strided input, as fp32. Column offsets are int64 too: a column stride (a transposed view)
-    times the row length can pass 2**31."""
+def _offsets(rows, cols, rows_inner, stride_outer, stride_inner, stride_col):
+    """Element offsets of a tile of a strided tensor. Column offsets are int64 too: a column stride (a transposed
+    view) times the row length can pass 2**31."""
     rows = rows.to(tl.int64)
     row_offsets = (rows // rows_inner) * stride_outer + (rows % rows_inner) * stride_inner
-    col_offsets = cols.to(tl.int64) * stride_col
-    return tl.load(ptr + row_offsets[:, None] + col_offsets[None, :], mask=mask, other=0.0).to(tl.float32)
+    return row_offsets[:, None] + cols.to(tl.int64)[None, :] * stride_col
+
+
+@triton.jit
+def _load(ptr, rows, cols, rows_inner, stride_outer, stride_inner, stride_col, mask):
+    """A tile of a strided input, as fp32."""
+    offsets = _offsets(rows, cols, rows_inner, stride_outer, stride_inner, stride_col)
+    return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -108,15 +117,18 @@ def _gated_backward_kernel(
     g_stride_outer, g_stride_inner, g_stride_col,
     u_stride_outer, u_stride_inner, u_stride_col,
     d_stride_row,
-    ACTIVATION: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, STORE_PRODUCT: tl.constexpr,
 ):
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
-    dy = _load(dout_ptr, rows, cols, rows_inner, dy_stride_outer, dy_stride_inner, dy_stride_col, mask)
+    dy_offsets = _offsets(rows, cols, rows_inner, dy_stride_outer, dy_stride_inner, dy_stride_col)
+    dy = tl.load(dout_ptr + dy_offsets, mask=mask, other=0.0).to(tl.float32)
     g = _load(gate_ptr, rows, cols, rows_inner, g_stride_outer, g_stride_inner, g_stride_col, mask)
     u = _load(up_ptr, rows, cols, rows_inner, u_stride_outer, u_stride_inner, u_stride_col, mask)
     act, d_act = _activation(g, ACTIVATION)
     _store(d_gate_ptr, rows, cols, d_stride_row, dy * u * d_act, mask)
     _store(d_up_ptr, rows, cols, d_stride_row, dy * act, mask)
+    if STORE_PRODUCT:  # over dout, where this program alone has read it (see the module docstring)
+        tl.store(dout_ptr + dy_offsets, (act * u).to(dout_ptr.dtype.element_ty), mask=mask)
 
 
 def _grid(n_rows, n_cols, block_rows, block_cols):
@@ -165,9 +177,10 @@ def gated_forward(gate, gate_layout, up, up_layout, out, out_stride_row, n_rows,
 
 
 def gated_backward(dout, dout_layout, gate, gate_layout, up, up_layout, d_gate, d_up, d_stride_row, n_rows, n_cols,
-                   activation, *, block_rows, block_cols, num_warps):
+                   activation, *, block_rows, block_cols, num_warps, product_into_dout=False):
     """Launch the backward: ``d_gate`` and ``d_up`` (unit column stride, row stride ``d_stride_row``; for a fused
-    input, the two halves of one gradient tensor)."""
+    input, the two halves of one gradient tensor). ``product_into_dout``: also overwrite ``dout`` with the forward's
+    output ``act(gate) * up``, in ``dout``'s dtype."""
     if not dout_layout[0] == gate_layout[0] == up_layout[0]:
         raise ValueError("dout, gate and up must share the row grouping (rows_inner)")
     (dout_layout, gate_layout, up_layout), d_stride_row, n_rows, n_cols, block_rows, block_cols = _one_row_launch(
@@ -175,4 +188,5 @@ def gated_backward(dout, dout_layout, gate, gate_layout, up, up_layout, d_gate, 
     launch(_gated_backward_kernel, _grid(n_rows, n_cols, block_rows, block_cols),
            (dout, gate, up, d_gate, d_up), (n_rows, n_cols, gate_layout[0], *dout_layout[1:], *gate_layout[1:],
             *up_layout[1:], d_stride_row),
-           dict(ACTIVATION=ACTIVATION_IDS[activation], BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols), num_warps)
+           dict(ACTIVATION=ACTIVATION_IDS[activation], BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+                STORE_PRODUCT=product_into_dout), num_warps)

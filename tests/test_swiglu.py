@@ -404,6 +404,29 @@ def test_mlp_layer_matches_references(fk, layer, activation, bias, dtype):
         assert_close_ratio(name, grad, base_grads[name], ref_grads[name], 3.0, dtype)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("module", ["fk", "fk_cpu"])
+def test_gradient_pass_writes_the_forward_output_over_its_incoming_gradient(request, poisoned_empty, module,
+                                                                           activation, dtype):
+    """What the MLP layers' backward uses (``_backward(..., product_into_dout=True)``): the same gradients as
+    without, and the incoming gradient overwritten with exactly the forward's output; gate and up untouched."""
+    fk = request.getfixturevalue(module)
+    backward = sys.modules[fk.__name__ + ".swiglu"]._backward
+    gate, up = make_inputs((5, 3, 67), dtype)
+    dout = torch.randn(gate.shape, device=DEVICE, dtype=dtype)
+    want_grads = backward(dout, gate, up, activation)
+    inputs_before = [gate.clone(), up.clone()]
+    two_tensor, _, kwargs = ACTIVATIONS[activation]
+    want_product = getattr(fk, two_tensor)(gate, up, **kwargs)
+    buffer = dout.clone()
+    grads = backward(buffer, gate, up, activation, product_into_dout=True)
+    for got, want in zip(grads, want_grads):
+        assert torch.equal(got, want)
+    assert torch.equal(buffer, want_product)
+    assert all(torch.equal(before, after) for before, after in zip(inputs_before, (gate, up)))
+
+
 def saved_activation_bytes(forward, mlp, x):
     """Bytes of the non-parameter tensors autograd keeps for the backward of ``forward(mlp, x)``."""
     parameters = {p.data_ptr() for p in mlp.parameters()}
