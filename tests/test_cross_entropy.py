@@ -142,6 +142,18 @@ def test_half_precision_logits(fk, poisoned_empty, dtype, reduction, all_options
     check(fk, logits, target, weight, reduction=reduction, **options)
 
 
+@pytest.mark.parametrize("logits", [[[4.8], [-6.1]], [[0.05], [-0.03]], [[2.0, -1.5, 0.7], [0.01, -0.02, 0.015]]],
+                         ids=["one_class", "one_class_small", "target_is_max"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_soft_capped_rows_where_the_target_is_the_max(fk, logits, reduction):
+    """Where the target is the (capped) max, lse - x_y must be log(sum) alone: with one class the loss is the z-loss,
+    so any rounding left in max - x_y, or in the cap's tanh of logits far below the cap, is the whole error (found by
+    the property test on the H200: the compiler fused the target's cap * tanh into the subtraction)."""
+    logits = torch.tensor(logits, device=DEVICE)
+    target = logits.argmax(-1)
+    check(fk, logits, target, reduction=reduction, softcap=10.0, lse_square_scale=1e-4)
+
+
 @pytest.mark.parametrize("ignore_index", [-100, 3, -1])
 def test_ignore_index_values(fk, ignore_index):
     """Any ignore_index, including a real class id (then that class is never a target)."""
