@@ -48,7 +48,9 @@ incoming gradient in place, and exits at once when that gradient is exactly 1 (`
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, launch
+from ._launch import INTERPRETING, cdiv, launch
+
+INTERPRETED = tl.constexpr(INTERPRETING)  # globals read inside @triton.jit must be tl.constexpr
 
 
 @triton.jit
@@ -67,30 +69,35 @@ def _tanh(u):
 
 
 @triton.jit
+def _rounded_product(a, b):
+    """``a * b`` in fp32, rounded even where an add follows. The compiler fuses a plain product into the subtraction
+    after it (one fma, the product never rounded): with soft-capping, ``x - max`` and ``max - x_y`` were then not 0
+    at the max, which left up to half an ulp of the max in the target's ``p - 1`` and in the loss of rows whose
+    target is the max (H200: 5e-5 relative error in the loss of one-class rows, 3e-4 in their gradient). PTX's
+    ``mul.rn`` is never fused; the CPU interpreter, which cannot run PTX, fuses nothing."""
+    if INTERPRETED:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
 def _soft_cap(z, softcap, HAS_SOFTCAP: tl.constexpr):
     """(x, tanh(z / cap)): the capped logits in fp32 and the tanh the gradient needs (unused without capping)."""
     t = z
     if HAS_SOFTCAP:
         t = _tanh(z / softcap)
-        z = softcap * t
+        z = _rounded_product(t, softcap)
     return z, t
 
 
 @triton.jit
-def _absorb(z, cols, mask, y, may_hold_y, x_y, running_max, running_sum, gap_sum, seen_weight, shift, weight_ptr,
-            softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def _absorb(z, cols, mask, running_max, running_sum, gap_sum, seen_weight, shift, weight_ptr, softcap,
+            HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """The loss pass's online log-sum-exp (and label smoothing's weighted gap sum) after one more tile of logits
-    ``z`` at columns ``cols`` (``mask``: which are in the row), and ``x_y`` plus the target's capped logit when
-    ``may_hold_y`` and column ``y`` is in the tile.
-
-    The target's logit is taken from the tile, exactly the value the max saw, so that ``max - x_y`` is 0 when the
-    target is the max. Computed on its own, ``cap * tanh(z_y / cap)`` was fused by the compiler into that
-    subtraction (one fma: the product never rounded), which left the rounding error of the product, up to half an
-    ulp of the max, in every such row's loss (H200: 5e-5 relative error in the loss of one-class rows)."""
+    ``z`` at columns ``cols`` (``mask``: which are in the row)."""
     x, _ = _soft_cap(z.to(tl.float32), softcap, HAS_SOFTCAP)
     x = tl.where(mask, x, float("-inf"))
-    if may_hold_y:
-        x_y += tl.sum(tl.where((cols == y) & mask, x, 0.0), axis=0)
     new_max = tl.maximum(running_max, tl.max(x, axis=0))
     # While every logit so far is -inf, subtract 0 instead of -inf (exp(-inf - -inf) would be NaN).
     new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -103,7 +110,7 @@ def _absorb(z, cols, mask, y, may_hold_y, x_y, running_max, running_sum, gap_sum
         gap_sum += seen_weight * (new_shift - shift)
         gap_sum += tl.sum(tl.where(mask, w * (new_shift - x), 0.0), axis=0)
         seen_weight += tl.sum(w, axis=0)
-    return new_max, running_sum, gap_sum, seen_weight, new_shift, x_y
+    return new_max, running_sum, gap_sum, seen_weight, new_shift
 
 
 @triton.jit
@@ -204,11 +211,10 @@ def _cross_entropy_kernel(
         gap_sum = tl.full((), 0.0, tl.float32)
         seen_weight = tl.full((), 0.0, tl.float32)
         shift = tl.full((), 0.0, tl.float32)
-        x_y = tl.full((), 0.0, tl.float32)
         if ALIGN > 1:
-            running_max, running_sum, gap_sum, seen_weight, shift, x_y = _absorb(
-                z_edge, edge_cols, edge_read, y, True, x_y, running_max, running_sum, gap_sum, seen_weight, shift,
-                weight_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+            running_max, running_sum, gap_sum, seen_weight, shift = _absorb(
+                z_edge, edge_cols, edge_read, running_max, running_sum, gap_sum, seen_weight, shift, weight_ptr,
+                softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
         # Each block's load is issued one iteration ahead, so the row keeps streaming while a block is reduced.
         first = tl.arange(0, BLOCK_COLS)
         z_next = tl.load(body_ptr + first * logits_stride_col, mask=first < n_read, other=0.0)
@@ -217,16 +223,16 @@ def _cross_entropy_kernel(
             z = z_next.to(tl.float32)
             ahead = offsets + BLOCK_COLS
             z_next = tl.load(body_ptr + ahead * logits_stride_col, mask=ahead < n_read, other=0.0)
-            # Only the tile that holds the target column extracts it (a scalar test per tile).
-            holds_y = (y >= head + start) & (y < head + start + BLOCK_COLS)
-            running_max, running_sum, gap_sum, seen_weight, shift, x_y = _absorb(
-                z, head + offsets, offsets < body, y, holds_y, x_y, running_max, running_sum, gap_sum, seen_weight,
-                shift, weight_ptr, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+            running_max, running_sum, gap_sum, seen_weight, shift = _absorb(
+                z, head + offsets, offsets < body, running_max, running_sum, gap_sum, seen_weight, shift, weight_ptr,
+                softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
         # Rows that are not counted read nothing: give them lse 0 rather than log(0), which keeps -inf and NaN
         # out of their (discarded) arithmetic.
         row_max = shift
         log_sum = tl.log(tl.where(counted, running_sum, 1.0))
         lse = row_max + log_sum
+        x_y, _ = _soft_cap(tl.load(row_ptr + y_safe * logits_stride_col, mask=counted, other=0.0).to(tl.float32),
+                           softcap, HAS_SOFTCAP)
         # lse - x_y as (max - x_y) + log(sum): with logits of magnitude 1e4, max - x_y is exact and the small
         # log(sum) is not rounded to the ulp of the max first.
         ce = (1.0 - label_smoothing) * w_y * ((row_max - x_y) + log_sum)
