@@ -54,21 +54,6 @@ INTERPRETED = tl.constexpr(INTERPRETING)  # globals read inside @triton.jit must
 
 
 @triton.jit
-def _tanh(u):
-    """tanh in fp32 within about 2 ulp. ``1 - 2 / (exp(2u) + 1)`` saturates to +-1 without overflow (exp gives inf or
-    0) but near 0 keeps only the absolute precision of the 1 it subtracts from (relative error ~6e-8 / |u|: a row of
-    logits far below the cap lost digits in its loss); below |u| = 0.55 an odd minimax polynomial, u + u^3 Q(u^2),
-    takes over (1.1e-7 relative error there; the formula's is 1.9e-7 above it)."""
-    u2 = u * u
-    q = u2 * -0.006274263374507427 + 0.021071694791316986
-    q = q * u2 - 0.05385231226682663
-    q = q * u2 + 0.13332585990428925
-    q = q * u2 - 0.33333316445350647
-    near_zero = u + (u * u2) * q
-    return tl.where(tl.abs(u) < 0.55, near_zero, 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
-
-
-@triton.jit
 def _rounded_product(a, b):
     """``a * b`` in fp32, rounded even where an add follows. The compiler fuses a plain product into the subtraction
     after it (one fma, the product never rounded): with soft-capping, ``x - max`` and ``max - x_y`` were then not 0
@@ -86,7 +71,11 @@ def _soft_cap(z, softcap, HAS_SOFTCAP: tl.constexpr):
     """(x, tanh(z / cap)): the capped logits in fp32 and the tanh the gradient needs (unused without capping)."""
     t = z
     if HAS_SOFTCAP:
-        t = _tanh(z / softcap)
+        # tanh(u) = 1 - 2 / (exp(2u) + 1): saturates to +-1 without overflow (exp gives inf or 0). Near 0 it keeps
+        # the absolute precision of the 1 it subtracts from (~6e-8, so ~6e-8 * cap in x), not a relative one: an
+        # odd polynomial below |u| = 0.55 (relative error 1.1e-7) made Gemma-2's loss (cap 30) 31% slower on the
+        # H200 (8192 x 256000 bf16, forward+backward 5254 -> 6916 us: this path is bound by its arithmetic).
+        t = 1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0)
         z = _rounded_product(t, softcap)
     return z, t
 
