@@ -124,9 +124,12 @@ def recorded_launches(flash_attn, head_dim, group, tiles):
     per kv head, keyed by kernel name: (kernel, args, constexprs, num_warps, num_stages). Besides the tiles, the
     group size changes the code: a group of 1 is specialised to the constant 1, which removes dK/dV's loop over
     the group's heads (MHA); larger groups keep it (GQA). A tile that streams through tensor descriptors does so
-    whatever its ``desc_min_flops`` (this attention is smaller): the report shows what large attentions run."""
+    whatever its ``desc_min_flops`` (this attention is smaller), and a dQ tile with ``from_ds`` takes the backward
+    through dS whatever its ``min_flops``: the report shows what large attentions run."""
     launches = {}
     tiles = {kernel: {**tile, "desc_min_flops": 0} for kernel, tile in tiles.items()}
+    if "from_ds" in tiles["backward_dq"]:
+        tiles["backward_dq"]["from_ds"] = {**tiles["backward_dq"]["from_ds"], "min_flops": 0}
 
     def record(kernel, grid, pointers, scalars, constexprs, num_warps, num_stages=None):
         launches[kernel.__name__] = (kernel, (*pointers, *scalars), constexprs, num_warps, num_stages)
@@ -189,6 +192,8 @@ def main():
     table = read_table(None, "flash_attn")
     flash_attn = load_kernels(args.source)
     wanted = {f"_{'fwd' if k == 'forward' else 'bwd_' + k}_kernel" for k in args.kernels}
+    if "dq" in args.kernels:  # where the backward goes through dS, its dQ pass is this kernel
+        wanted.add("_bwd_dq_from_ds_kernel")
     print("| head dim | group | kernel | tile (block_m x block_n, warps, stages, loop form) | registers "
           "| spill stores / loads (bytes) |")
     print("|---|---|---|---|---|---|")

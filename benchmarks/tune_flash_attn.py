@@ -5,7 +5,8 @@ heads, causal, bf16 (the shape class of h200-baselines.md): the forward's tile i
 forward; then the backward's two passes by coordinate descent: the dK/dV tile with the dQ tile fixed at the
 current table's, then the dQ tile with the best dK/dV one; each pass's tile then with and without ``heavy_first``
 (the order of its programs), the forward's with and without ``pipelined`` and ``pv_fence`` and the dK/dV tile's
-with and without ``group_loop``. Candidates that do not fit (shared memory, registers) fail to launch and are skipped.
+with and without ``group_loop``. Last, the tile of the backward through dS (the dQ entry's ``from_ds``), kept only
+where that backward beats the dQ pass's. Candidates that do not fit (shared memory, registers) fail to launch and are skipped.
 The result is data: the package reads it at run time and never autotunes.
 
     python benchmarks/tune_flash_attn.py --build <variants dir> [--write torch-ext/fused_kernels/configs/flash_attn.json]
@@ -48,6 +49,13 @@ DESC = (False, True)
 # attention's launches ran host-bound on the H200 and pointer loads were faster in wall time (B8 H16 S2048 D64 causal,
 # 6.9e10: 0.23 against 0.32 ms); from 1.4e11 (B4 H16 S4096 D64, B16 H32 S1024 D128) descriptors were.
 DESC_MIN_FLOPS = 10**11
+# The backward through dS (``from_ds``; ``flash_attn_backward`` in kernels_src/flash_attn.py): its dQ tiles, timed on the
+# whole backward. Its scratch budget and the fewest dK/dV programs per launch are a memory choice and an occupancy
+# floor, not tuned: on the H200 a launch of one pair of B2 Hq32 Hk8 S8192 (64 programs, under half of 132 SMs) took
+# the backward from 6.7 to 10.5 ms; 264 is two programs per SM.
+FROM_DS_STAGES = (2, 3, 4)
+FROM_DS_BUDGET = 1 << 30
+FROM_DS_MIN_PROGRAMS = 264
 
 
 def candidates(block_ms, stage_counts):
@@ -98,6 +106,32 @@ def with_order(label, timed, tile):
     natural_ms, heavy_ms = timed(tile), timed(heavy)
     print(f"{label} order: natural {natural_ms * 1e3:.1f} us, heavy first {heavy_ms * 1e3:.1f} us", flush=True)
     return heavy if heavy_ms < natural_ms else tile
+
+
+def with_from_ds(label, timed, entry):
+    """The dQ ``entry`` with the fastest ``from_ds`` tile (then with its faster program order), or without one
+    where no tile's backward through dS beats the dQ pass's."""
+    entry = {key: value for key, value in entry.items() if key != "from_ds"}
+    best_ms, best = timed(entry), None
+    print(f"{label}: dQ pass {best_ms * 1e3:.1f} us", flush=True)
+    for block_m, block_n, warps, stages in itertools.product(BLOCK_M, BLOCK_N, WARPS, FROM_DS_STAGES):
+        from_ds = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
+                   "heavy_first": True, "budget": FROM_DS_BUDGET, "min_flops": DESC_MIN_FLOPS,
+                   "min_programs": FROM_DS_MIN_PROGRAMS}
+        try:
+            ms = timed({**entry, "from_ds": from_ds})
+        except Exception as error:  # noqa: BLE001 - out of resources and the like: not a candidate
+            print(f"  {label} {from_ds}: skipped ({type(error).__name__})", flush=True)
+            continue
+        print(f"  {label} {from_ds}: {ms * 1e3:.1f} us", flush=True)
+        if ms < best_ms:
+            best_ms, best = ms, from_ds
+    if best is None:
+        return entry
+    natural = {**best, "heavy_first": False}
+    natural_ms = timed({**entry, "from_ds": natural})
+    print(f"{label} order: natural {natural_ms * 1e3:.1f} us, heavy first {best_ms * 1e3:.1f} us", flush=True)
+    return {**entry, "from_ds": natural if natural_ms < best_ms else best}
 
 
 def with_switch(label, timed, entry, key):
@@ -170,6 +204,7 @@ def main():
             fastest(f"d={head_dim} backward dK/dV", dkdv_timed, DKDV_BLOCK_M, DKDV_STAGES)), "group_loop")
         dq_timed = lambda tile: backward(dkdv_tile, tile)  # noqa: E731
         dq_tile = table_entry(f"d={head_dim} backward dQ", dq_timed, fastest(f"d={head_dim} backward dQ", dq_timed))
+        dq_tile = with_from_ds(f"d={head_dim} backward through dS", dq_timed, dq_tile)
         for kernel, tile in (("forward", forward_tile), ("backward_dkdv", dkdv_tile), ("backward_dq", dq_tile)):
             tuned[kernel][row] = {"max_cols": row, **tile}
     write_device_entries(args.write, device_name, {

@@ -163,6 +163,34 @@ def test_flash_attn_tuner_switches(monkeypatch):
     assert tune_flash_attn.with_switch("test", faster, pointers, "pipelined") == {**pointers, "pipelined": True}
 
 
+def test_flash_attn_tuner_keeps_the_backward_through_ds_only_where_it_wins(monkeypatch):
+    """tune_flash_attn.py: ``with_from_ds`` gives the dQ entry the fastest ``from_ds`` tile (candidates that cannot
+    run skipped) in its faster program order, and none when no tile beats the dQ pass; an old ``from_ds`` is
+    replaced either way."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import tune_flash_attn
+
+    entry = {"block_m": 128, "block_n": 64, "num_warps": 8, "from_ds": {"block_m": 1}}
+
+    def timed(tile):
+        from_ds = tile.get("from_ds")
+        if from_ds is None:
+            return 1.0
+        if from_ds["num_stages"] == 4:
+            raise RuntimeError("out of resources")
+        # Fastest: 128 x 128 on 8 warps at 3 stages, in the natural order.
+        return (0.9 - 0.1 * (from_ds["block_m"] == 128 and from_ds["block_n"] == 128 and from_ds["num_warps"] == 8
+                             and from_ds["num_stages"] == 3) - 0.01 * (not from_ds["heavy_first"]))
+
+    chosen = tune_flash_attn.with_from_ds("test", timed, entry)
+    assert chosen == {"block_m": 128, "block_n": 64, "num_warps": 8, "from_ds": {
+        "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "heavy_first": False,
+        "budget": tune_flash_attn.FROM_DS_BUDGET, "min_flops": tune_flash_attn.DESC_MIN_FLOPS,
+        "min_programs": tune_flash_attn.FROM_DS_MIN_PROGRAMS}}
+    slower = lambda tile: 1.0 + 0.1 * ("from_ds" in tile)  # noqa: E731
+    assert tune_flash_attn.with_from_ds("test", slower, entry) == {"block_m": 128, "block_n": 64, "num_warps": 8}
+
+
 def test_suite_times_providers_in_interleaved_rounds(monkeypatch):
     """harness.run_benchmark times every provider in ROUNDS rounds that take the providers in turn, and a row
     keeps its fastest round; a provider failing the correctness gate is not timed (WRONG), and one that raises

@@ -87,26 +87,45 @@ def reference_leaves(upcast, *tensors):
     return leaves(*(t.float() for t in tensors)) if upcast else leaves(*tensors)
 
 
-@pytest.fixture(params=[(False, False, False), (True, False, False), (False, True, False), (True, True, False),
-                        (True, True, True)],
+# The CPU tile of the backward through dS (``from_ds``): its query and key tiles differ from the dK/dV pass's 16 x 16,
+# so its whole tiles and masked edges fall elsewhere than the tiles that pass wrote.
+FROM_DS_TILE = {"block_m": 32, "block_n": 16, "num_warps": 4, "heavy_first": True, "budget": 1 << 30, "min_flops": 0}
+
+
+def from_ds_tile(head_dim, budget=1 << 30):
+    """A ``from_ds`` launch entry for tests: FROM_DS_TILE on the CPU; on a GPU the shipped head-dim-128 tile, with
+    64-key tiles at two stages for larger head dims (shared memory), at any size of attention."""
+    if not ON_GPU:
+        return {**FROM_DS_TILE, "budget": budget}
+    wide = head_dim > 128
+    return {"block_m": 128, "block_n": 64 if wide else 128, "num_warps": 8, "num_stages": 2 if wide else 3,
+            "heavy_first": True, "budget": budget, "min_flops": 0}
+
+
+@pytest.fixture(params=[(False, False, False, False), (True, False, False, False), (False, True, False, False),
+                        (True, True, False, False), (True, True, True, False), (True, True, False, True)],
                 ids=["three-loops-pointers", "one-loop-pointers", "three-loops-descriptors", "one-loop-descriptors",
-                     "pipelined-descriptors"])
+                     "pipelined-descriptors", "through-ds"])
 def tile_form(request, fk, monkeypatch):
     """Every pass in one form of its tile loop and of its streamed loads, whatever the launch table picks
     (``one_loop``: the masked edge tiles and the unmasked middle as three loops, or one loop that tests each tile;
     ``desc``: partner tiles through tensor descriptors where the batch is dense, else pointer loads; ``pipelined``:
-    the forward's loop computing the next tile's scores ahead). The one-loop forms also keep the dK/dV pass's loop
+    the forward's loop computing the next tile's scores ahead; ``through-ds``: the backward through dS, where the batch
+    is dense and no sink needs the dQ pass, else the dQ pass). The one-loop forms also keep the dK/dV pass's loop
     over a kv head's query heads with MHA (``group_loop``), the three-loop forms compile it out: both MHA kernels
     run in every test that uses this fixture; likewise the forward's scheduling fence (``pv_fence``; on a GPU only,
     the interpreter leaves it out). The pipelined forward holds two score tiles: on a GPU its tile runs
     at two stages (at three, the H200's head-dim-128 tile of 128 x 128 does not fit in shared memory)."""
-    one_loop, desc, pipelined = request.param
+    one_loop, desc, pipelined, from_ds = request.param
     table_pick = fk._flash_attn.pick
 
     def pick(family, kind, device, head_dim):
         tile = {**table_pick(family, kind, device, head_dim), "one_loop": one_loop, "desc": desc,
                 "desc_min_flops": 0, "group_loop": one_loop, "pv_fence": one_loop, "pipelined": pipelined,
                 "without_desc": {}}
+        tile.pop("from_ds", None)
+        if from_ds and kind == "backward_dq":
+            tile["from_ds"] = from_ds_tile(head_dim)
         if pipelined and "num_stages" in tile:
             tile["num_stages"] = min(tile["num_stages"], 2)
         return tile
@@ -302,6 +321,85 @@ def test_descriptors_only_where_the_copy_engine_can_address_the_tiles(fk):
         assert not desc and passed is tensor
         assert used == {**tile, "one_loop": False}
     assert streamed({**tile, "desc": False}, False, 32, 24, 1000, dense)[1] is False
+
+
+@pytest.mark.parametrize("pairs_per_launch", [1, 3])
+def test_backward_through_ds_in_launches_of_a_few_pairs(fk, poisoned_empty, monkeypatch, pairs_per_launch):
+    """The backward through dS with a scratch budget of one or three (batch, kv head) pairs (four launches of one,
+    or two of two): delta first, then the dK/dV pass and the dQ pass from dS in turn, each launch from its own first
+    pair (four pairs: GQA, batch 2),
+    with a bottom-right causal window, soft-capping, dropout and a query length whose scratch rows need padding to
+    16 bytes; against the references."""
+    kernels_module = fk._kernels.flash_attn
+    batch, seq_q, seq_k, heads, kv_heads, dim = (2, 300, 333, 8, 2, 64) if ON_GPU else (2, 37, 45, 4, 2, 16)
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    row = kernels_module._ds_row_length(seq_q, 2)
+    assert row > seq_q
+    per_pair = heads // kv_heads * seq_k * row * 2
+    table_pick = fk._flash_attn.pick
+
+    def pick(family, kind, device, head_dim):
+        tile = {**table_pick(family, kind, device, head_dim), "desc": True, "desc_min_flops": 0, "without_desc": {}}
+        if kind == "backward_dq":
+            tile["from_ds"] = from_ds_tile(head_dim, budget=pairs_per_launch * per_pair + per_pair // 2)
+        return tile
+
+    launched = []
+
+    def recording_launch(kernel, *args, **kwargs):
+        launched.append(kernel.__name__)
+        return launch(kernel, *args, **kwargs)
+
+    launch = kernels_module.launch
+    monkeypatch.setattr(fk._flash_attn, "pick", pick)
+    monkeypatch.setattr(kernels_module, "launch", recording_launch)
+    torch.manual_seed(19)
+    q, k, v = make_qkv(batch, seq_q, seq_k, heads, kv_heads, dim, dtype)
+    run_and_check(fk, q, k, v, causal=True, window=(seq_k // 3, 0), softcap=5.0)
+    n_launches = -(-batch * kv_heads // pairs_per_launch)
+    assert launched[-(1 + 2 * n_launches):] == (
+        ["_bwd_delta_kernel"] + ["_bwd_dkdv_kernel", "_bwd_dq_from_ds_kernel"] * n_launches)
+
+    # Dropout: the dQ from the stored dS against the dQ pass's recomputed one, same mask.
+    results = {}
+    for through_ds in (True, False):
+        if not through_ds:
+            monkeypatch.setattr(fk._flash_attn, "pick", lambda *a: {
+                key: value for key, value in pick(*a).items() if key != "from_ds"})
+        torch.manual_seed(20)
+        a = leaves(q, k, v)
+        out = fk.flash_attn_func(*a, dropout_p=0.2, causal=True)
+        out.backward(torch.ones_like(out))
+        results[through_ds] = [t.grad.float() for t in a]
+    for name, with_ds, without in zip(("dq", "dk", "dv"), results[True], results[False]):
+        torch.testing.assert_close(with_ds, without, atol=2e-2, rtol=2e-2, msg=name)
+
+
+def test_backward_through_ds_only_where_it_applies(fk):
+    """``_ds_chunk_pairs``: the pairs per launch, in equal shares of the fewest launches whose dS fits ``budget``
+    bytes (scratch rows padded to 16 bytes); 0 (the dQ pass) without a ``from_ds`` entry, for varlen batches, with
+    a sink, for a K the copy engine cannot address, below ``min_flops``, when one pair's dS exceeds the budget, or
+    when several launches would each run fewer dK/dV programs than ``min_programs``."""
+    chunk_pairs = fk._kernels.flash_attn._ds_chunk_pairs
+    k = torch.empty(2, 50, 3, 16, dtype=torch.float16)
+    one_pair = 2 * 50 * 48 * 2  # group of 2, 50 keys, 45 queries padded to 48, 2 bytes
+    entry = {"budget": 4 * one_pair, "min_flops": 100, "min_programs": 10}
+
+    def pairs(n_pairs, key_tiles=4, flops=100, **changes):
+        return chunk_pairs({**entry, **changes}, False, None, k, n_pairs, 2, 45, 50, flops, key_tiles)
+
+    assert pairs(3) == 3 and pairs(4) == 4
+    assert pairs(6) == 3  # two launches of 3 rather than 4 + 2
+    assert pairs(9) == 3  # three of 3
+    assert pairs(6, budget=one_pair) == 0  # six launches of one pair: 4 programs each, fewer than 10
+    assert pairs(6, budget=one_pair, key_tiles=10) == 1
+    assert pairs(6, budget=one_pair - 1) == 0
+    assert pairs(6, flops=99) == 0
+    assert chunk_pairs(None, False, None, k, 6, 2, 45, 50, 100, 4) == 0
+    assert chunk_pairs(entry, True, None, k, 6, 2, 45, 50, 100, 4) == 0
+    assert chunk_pairs(entry, False, torch.zeros(6), k, 6, 2, 45, 50, 100, 4) == 0
+    misaligned = torch.empty(2, 50, 3, 20, dtype=torch.float16)[..., :17]
+    assert chunk_pairs(entry, False, None, misaligned, 6, 2, 45, 50, 100, 4) == 0
 
 
 @pytest.mark.usefixtures("tile_form")
