@@ -6,7 +6,8 @@ forward; then the backward's two passes by coordinate descent: the dK/dV tile wi
 current table's, then the dQ tile with the best dK/dV one; each pass's tile then with and without ``heavy_first``
 (the order of its programs), the forward's with and without ``pipelined`` and ``pv_fence`` and the dK/dV tile's
 with and without ``group_loop``. Last, the tile of the backward through dS (the dQ entry's ``from_ds``), kept only
-where that backward beats the dQ pass's. Candidates that do not fit (shared memory, registers) fail to launch and are skipped.
+where that backward beats the dQ pass's. Candidates that do not fit (shared memory, registers) fail to launch and are
+skipped.
 The result is data: the package reads it at run time and never autotunes.
 
     python benchmarks/tune_flash_attn.py --build <variants dir> [--write torch-ext/fused_kernels/configs/flash_attn.json]
@@ -49,8 +50,8 @@ DESC = (False, True)
 # attention's launches ran host-bound on the H200 and pointer loads were faster in wall time (B8 H16 S2048 D64 causal,
 # 6.9e10: 0.23 against 0.32 ms); from 1.4e11 (B4 H16 S4096 D64, B16 H32 S1024 D128) descriptors were.
 DESC_MIN_FLOPS = 10**11
-# The backward through dS (``from_ds``; ``flash_attn_backward`` in kernels_src/flash_attn.py): its dQ tiles, timed on the
-# whole backward. Its scratch budget and the fewest dK/dV programs per launch are a memory choice and an occupancy
+# The backward through dS (``from_ds``; ``flash_attn_backward`` in kernels_src/flash_attn.py): its dQ tiles, timed on
+# the whole backward. Its scratch budget and the fewest dK/dV programs per launch are a memory choice and an occupancy
 # floor, not tuned: on the H200 a launch of one pair of B2 Hq32 Hk8 S8192 (64 programs, under half of 132 SMs) took
 # the backward from 6.7 to 10.5 ms; 264 is two programs per SM.
 FROM_DS_STAGES = (2, 3, 4)

@@ -327,9 +327,8 @@ def test_descriptors_only_where_the_copy_engine_can_address_the_tiles(fk):
 def test_backward_through_ds_in_launches_of_a_few_pairs(fk, poisoned_empty, monkeypatch, pairs_per_launch):
     """The backward through dS with a scratch budget of one or three (batch, kv head) pairs (four launches of one,
     or two of two): delta first, then the dK/dV pass and the dQ pass from dS in turn, each launch from its own first
-    pair (four pairs: GQA, batch 2),
-    with a bottom-right causal window, soft-capping, dropout and a query length whose scratch rows need padding to
-    16 bytes; against the references."""
+    pair (four pairs: GQA, batch 2), with a bottom-right causal window, soft-capping and a query length whose scratch
+    rows need padding to 16 bytes, against the references; with dropout, against the dQ pass (same mask)."""
     kernels_module = fk._kernels.flash_attn
     batch, seq_q, seq_k, heads, kv_heads, dim = (2, 300, 333, 8, 2, 64) if ON_GPU else (2, 37, 45, 4, 2, 16)
     dtype = torch.bfloat16 if ON_GPU else torch.float16
