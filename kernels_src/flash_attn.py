@@ -46,6 +46,7 @@ that crosses a sequence's end reads the next sequence's rows (zeros arrive only 
 non-finite value there would reach this sequence through 0 * inf.
 """
 
+import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -836,6 +837,16 @@ def _ds_chunk_pairs(from_ds, varlen, sink, k, n_kv_pairs, group_size, seqlen_q, 
     return pairs
 
 
+def _ds_scratch(q, n_heads, seqlen_k, row):
+    """The dS scratch of ``n_heads`` query heads, or None where the device has no room left for it: the backward then
+    takes the dQ pass, which needs none. The budget bounds the scratch, not what a training run that has nearly
+    filled the device leaves free, and an attention that fits without the scratch must not fail for want of it."""
+    try:
+        return q.new_empty((n_heads, seqlen_k, row))
+    except torch.OutOfMemoryError:
+        return None
+
+
 def _ds_row_length(seqlen_q, itemsize):
     """The scratch's row stride in elements: seqlen_q rounded up to 16 bytes, as the copy engine needs."""
     align = 16 // itemsize
@@ -858,8 +869,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     dS^T tile it computes into a scratch and ``_bwd_dq_from_ds_kernel`` reads it back for dQ = dS K: 5 matmuls per
     tile pair instead of 7, for 2 bytes written and read per score. On the H200 (whole backward, us): B4 H32 S4096
     D128 causal 3683 -> 3475, B8 Hq16 Hk8 3578 -> 3385, B2 Hq16 Hk8 S8192 D256 9896 -> 8322 (README, "Flash
-    attention"). Otherwise the dQ pass runs first (it writes delta, which the dK/dV pass reads) and recomputes P and
-    dP itself."""
+    attention"). Otherwise (also where the device has no room for the scratch: ``_ds_scratch``) the dQ pass runs first
+    (it writes delta, which the dK/dV pass reads) and recomputes P and dP itself."""
     varlen = cu_seqlens_q is not None
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     group_size = n_heads // n_kv_heads
@@ -882,6 +893,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     from_ds = dq_tile.get("from_ds")
     chunk_pairs = _ds_chunk_pairs(from_ds, varlen, sink, k, n_kv_pairs, group_size, seqlen_q, seqlen_k, flops,
                                   cdiv(seqlen_k, dkdv_tile["block_n"]))
+    row = _ds_row_length(seqlen_q, q.element_size())
+    ds = _ds_scratch(q, chunk_pairs * group_size, seqlen_k, row) if chunk_pairs else None
 
     def dkdv_pass(first_pair, n_pairs, ds_arg):
         grid, flat = _tile_grid(cdiv(seqlen_k, dkdv_tile["block_n"]), n_pairs)
@@ -897,12 +910,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
                  STORE_DS=ds_arg is not lse),
             dkdv_tile["num_warps"], dkdv_tile.get("num_stages"))
 
-    if chunk_pairs:
+    if ds is not None:
         launch(_bwd_delta_kernel, (cdiv(seqlen_q, 64), n_batch * n_heads), (out, dout, delta),
                (seqlen_q, n_heads, head_dim, *_strides3(out, False), *_strides3(dout, False), *lse_strides),
                dict(BLOCK_M=64, BLOCK_D=block_d), 4)
-        row = _ds_row_length(seqlen_q, q.element_size())
-        ds = q.new_empty((chunk_pairs * group_size, seqlen_k, row))
         # The descriptors' rows end at seqlen_q: stores clip there and loads read zeros past it.
         ds_shape, ds_strides = [ds.shape[0], seqlen_k, seqlen_q], list(ds.stride())
         ds_store = TensorDescriptor(ds, ds_shape, ds_strides, [1, dkdv_tile["block_n"], dkdv_tile["block_m"]])

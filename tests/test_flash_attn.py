@@ -374,6 +374,47 @@ def test_backward_through_ds_in_launches_of_a_few_pairs(fk, poisoned_empty, monk
         torch.testing.assert_close(with_ds, without, atol=2e-2, rtol=2e-2, msg=name)
 
 
+def test_backward_through_ds_falls_back_where_the_scratch_does_not_fit(fk, monkeypatch):
+    """Where allocating the dS scratch runs out of device memory, ``_ds_scratch`` returns None and the backward takes
+    the dQ pass instead of failing: the same launches and bitwise the same gradients as without ``from_ds``."""
+    kernels_module = fk._kernels.flash_attn
+    q = torch.empty(1, 8, 2, 16, dtype=torch.float16, device=DEVICE)
+    assert kernels_module._ds_scratch(q, 2, 8, 8).shape == (2, 8, 8)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.Tensor, "new_empty", out_of_memory)
+        assert kernels_module._ds_scratch(q, 2, 8, 8) is None
+
+    table_pick = fk._flash_attn.pick
+    launch = kernels_module.launch
+    results = {}
+    for name, scratch in (("no room", lambda *args: None), ("without from_ds", None)):
+        def pick(family, kind, device, head_dim, scratch=scratch):
+            tile = {**table_pick(family, kind, device, head_dim), "desc": True, "desc_min_flops": 0,
+                    "without_desc": {}}
+            if kind == "backward_dq" and scratch is not None:
+                tile["from_ds"] = from_ds_tile(head_dim)
+            return tile
+
+        launched = []
+        monkeypatch.setattr(fk._flash_attn, "pick", pick)
+        monkeypatch.setattr(kernels_module, "launch", lambda kernel, *a, **kw: (
+            launched.append(kernel.__name__), launch(kernel, *a, **kw)))
+        if scratch is not None:
+            monkeypatch.setattr(kernels_module, "_ds_scratch", scratch)
+        torch.manual_seed(21)
+        a = leaves(*make_qkv(1, 24, 24, 4, 2, 16, torch.float16))
+        out = fk.flash_attn_func(*a, causal=True)
+        out.backward(torch.ones_like(out))
+        results[name] = ([t.grad for t in a], launched[-2:])
+    assert results["no room"][1] == results["without from_ds"][1] == ["_bwd_dq_kernel", "_bwd_dkdv_kernel"]
+    for with_fallback, without in zip(results["no room"][0], results["without from_ds"][0]):
+        assert torch.equal(with_fallback, without)
+
+
 def test_backward_through_ds_only_where_it_applies(fk):
     """``_ds_chunk_pairs``: the pairs per launch, in equal shares of the fewest launches whose dS fits ``budget``
     bytes (scratch rows padded to 16 bytes); 0 (the dQ pass) without a ``from_ds`` entry, for varlen batches, with
