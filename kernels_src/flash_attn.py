@@ -893,21 +893,23 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     from_ds = dq_tile.get("from_ds")
     chunk_pairs = _ds_chunk_pairs(from_ds, varlen, sink, k, n_kv_pairs, group_size, seqlen_q, seqlen_k, flops,
                                   cdiv(seqlen_k, dkdv_tile["block_n"]))
-    row = _ds_row_length(seqlen_q, q.element_size())
-    ds = _ds_scratch(q, chunk_pairs * group_size, seqlen_k, row) if chunk_pairs else None
+    ds = (_ds_scratch(q, chunk_pairs * group_size, seqlen_k, _ds_row_length(seqlen_q, q.element_size()))
+          if chunk_pairs else None)
 
-    def dkdv_pass(first_pair, n_pairs, ds_arg):
+    def dkdv_pass(first_pair, n_pairs, ds_store):
+        """The dK/dV pass over ``n_pairs`` (batch, kv head) pairs from ``first_pair``, storing dS through the
+        descriptor ``ds_store`` unless it is None."""
         grid, flat = _tile_grid(cdiv(seqlen_k, dkdv_tile["block_n"]), n_pairs)
         launch(
             _bwd_dkdv_kernel, grid,
-            (q_arg, k, v, dout_arg, lse, delta, dk, dv, cu_q, cu_k, seed, ds_arg),
+            (q_arg, k, v, dout_arg, lse, delta, dk, dv, cu_q, cu_k, seed, ds_store if ds_store is not None else lse),
             (seqlen_q, seqlen_k, n_heads, n_kv_heads, group_size, head_dim, dkdv_pairs_per_group, first_pair,
              *shared, *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
              *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides),
             dict(**flags, BLOCK_M=dkdv_tile["block_m"], BLOCK_N=dkdv_tile["block_n"], BLOCK_D=block_d,
                  FLAT_GRID=flat, ONE_LOOP=dkdv_tile.get("one_loop", False), HEAVY_FIRST=dkdv_pairs_per_group > 0,
                  DESC=dkdv_desc, SINGLE_HEAD=group_size == 1 and not dkdv_tile.get("group_loop", False),
-                 STORE_DS=ds_arg is not lse),
+                 STORE_DS=ds_store is not None),
             dkdv_tile["num_warps"], dkdv_tile.get("num_stages"))
 
     if ds is not None:
@@ -948,7 +950,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
              BLOCK_D=block_d, FLAT_GRID=flat, ONE_LOOP=dq_tile.get("one_loop", False),
              HEAVY_FIRST=dq_pairs_per_group > 0, DESC=dq_desc),
         dq_tile["num_warps"], dq_tile.get("num_stages"))
-    dkdv_pass(0, n_kv_pairs, lse)
+    dkdv_pass(0, n_kv_pairs, None)
 
 
 def dropout_keep_mask(mask, seed, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, dropout_p, *, block_m=32,
