@@ -565,6 +565,34 @@ def _provider_table(rows: list[Row], text: Callable[[Row], str]) -> list[str]:
     return lines
 
 
+def _backward_table(forward: list[Row], forward_backward: list[Row]) -> list[str]:
+    """TFLOP/s of the backward alone, one column per provider: (fwd+bwd FLOPs - fwd FLOPs) over (fwd+bwd median -
+    fwd median), both from this run; the last column is ours from the summed GPU kernel times instead."""
+    providers = list(dict.fromkeys(row.provider for row in forward_backward))
+    dims = list(forward_backward[0].shape)
+    columns = dims + providers + [f"{OURS} (GPU time)"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    forward_rows = _by_shape(forward)
+
+    def backward_tflops(fwd: Row | None, both: Row | None, time: Callable[[Row], float | None]) -> str:
+        if fwd is None or both is None or fwd.status != "ok" or both.status != "ok" or fwd.tflops is None:
+            return "—" if fwd is None or both is None else (both.status if both.status != "ok" else fwd.status)
+        fwd_time, both_time = time(fwd), time(both)
+        if fwd_time is None or both_time is None or both_time <= fwd_time:
+            return "—"
+        # TFLOP/s x ms = GFLOP.
+        return f"{(both.tflops * both.ms - fwd.tflops * fwd.ms) / (both_time - fwd_time):.0f}"
+
+    for shape, by_provider in _by_shape(forward_backward).items():
+        fwd_by_provider = forward_rows.get(shape, {})
+        cells = [str(size) for _, size in shape]
+        cells += [backward_tflops(fwd_by_provider.get(name), by_provider.get(name), lambda r: r.ms)
+                  for name in providers]
+        cells.append(backward_tflops(fwd_by_provider.get(OURS), by_provider.get(OURS), lambda r: r.gpu_ms))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _problems(rows: list[Row]) -> list[str]:
     return [
         f"- {row.op} {row.mode} {' '.join(f'{k}={v}' for k, v in row.shape.items())} {row.provider}: "
@@ -582,7 +610,8 @@ def markdown_report(title: str, header: dict, rows: list[Row]) -> str:
         "FLOPs, the FLOPs ÷ measured dense GEMM rate where that is longer (ours % of floor is then ours % of "
         "that compute ceiling)."
     )
-    for (op, mode), group in _group(rows, "op", "mode").items():
+    groups = _group(rows, "op", "mode")
+    for (op, mode), group in groups.items():
         lines += ["", f"## {op}, {mode}, {group[0].dtype}", "", *_time_table(group)]
         if any(row.gpu_ms is not None for row in group):
             lines += ["", f"GPU kernel time of one {op} {mode} call (ms; torch.profiler, no host time):", "",
@@ -593,6 +622,10 @@ def markdown_report(title: str, header: dict, rows: list[Row]) -> str:
         if mode == "fwd+bwd" and any(row.peak_mib is not None for row in group):
             lines += ["", f"Peak extra memory of one {op} fwd+bwd (MiB):", "",
                       *_provider_table(group, lambda r: f"{r.peak_mib:.1f}")]
+        forward = groups.get((op, "fwd"))
+        if mode == "fwd+bwd" and forward and any(row.tflops is not None for row in group):
+            lines += ["", f"TFLOP/s of the {op} backward alone (fwd+bwd minus fwd, in FLOPs and in time):", "",
+                      *_backward_table(forward, group)]
     problems = _problems(rows)
     if problems:
         lines += ["", "## Not timed", "", *problems]

@@ -191,6 +191,32 @@ def test_flash_attn_tuner_keeps_the_backward_through_ds_only_where_it_wins(monke
     assert tune_flash_attn.with_from_ds("test", slower, entry) == {"block_m": 128, "block_n": 64, "num_warps": 8}
 
 
+def test_report_derives_the_backward_alone(monkeypatch):
+    """The markdown report's backward-alone TFLOP/s: (fwd+bwd FLOPs - fwd FLOPs) / (fwd+bwd time - fwd time), from
+    the medians per provider and from our GPU kernel times; a provider without both rows gets its status."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import harness
+
+    def row(mode, provider, ms, gflop, gpu_ms=None, status="ok"):
+        return harness.Row("attn", mode, {"s": 4096}, "bfloat16", provider, status, ms=ms, gpu_ms=gpu_ms,
+                           tflops=None if ms is None else gflop / ms, floor_ms=0.5, gbps=1.0,
+                           ratio_vs_best_peer=1.0)
+
+    rows = [row("fwd", harness.OURS, 1.0, 100.0, gpu_ms=0.9), row("fwd", "peer", 2.0, 100.0),
+            row("fwd", "partial", None, 100.0, status="unsupported"),
+            row("fwd+bwd", harness.OURS, 3.0, 350.0, gpu_ms=2.15), row("fwd+bwd", "peer", 7.0, 350.0),
+            row("fwd+bwd", "partial", 4.0, 350.0)]
+    report = harness.markdown_report("attn", {"device": "d", "torch": "t", "triton": "t", "liger_kernel": "l",
+                                              "date": "today", "timing": "median", "copy_gbps": 1.0,
+                                              "gemm_tflops": 1.0,
+                                              "fused_kernels": {"variant": "v", "commit": "c" * 10, "dirty": False}},
+                                     rows)
+    table = report.split("TFLOP/s of the attn backward alone")[1].splitlines()
+    assert table[2] == f"| s | {harness.OURS} | peer | partial | {harness.OURS} (GPU time) |"
+    # 250 GFLOP of backward: in 2 ms (ours), 5 ms (the peer), 1.25 ms of our GPU time.
+    assert table[4] == "| 4096 | 125 | 50 | unsupported | 200 |"
+
+
 def test_suite_times_providers_in_interleaved_rounds(monkeypatch):
     """harness.run_benchmark times every provider in ROUNDS rounds that take the providers in turn, and a row
     keeps its fastest round; a provider failing the correctness gate is not timed (WRONG), and one that raises
