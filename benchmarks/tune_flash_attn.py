@@ -53,10 +53,12 @@ DESC_MIN_FLOPS = 10**11
 # The backward through dS (``from_ds``; ``flash_attn_backward`` in kernels_src/flash_attn.py): its dQ tiles, timed on
 # the whole backward. Its scratch budget and the fewest dK/dV programs per launch are a memory choice and an occupancy
 # floor, not tuned: on the H200 a launch of one pair of B2 Hq32 Hk8 S8192 (64 programs, under half of 132 SMs) took
-# the backward from 6.7 to 10.5 ms; 264 is two programs per SM.
+# the backward from 6.7 to 10.5 ms, while launches of 256 programs (B8 Hq16 Hk8 S4096 d128 by 8 pairs) ran as fast
+# per pair as larger ones. 768 MiB keeps the Qwen3-0.6B training step's peak (scratch of 8 pairs, 512 MiB) below
+# the one its loss sets; 1 GiB (16 pairs) raised it by 0.2 GiB for 1% of its attention backward.
 FROM_DS_STAGES = (2, 3, 4)
-FROM_DS_BUDGET = 1 << 30
-FROM_DS_MIN_PROGRAMS = 264
+FROM_DS_BUDGET = 768 << 20
+FROM_DS_MIN_PROGRAMS = 256
 
 
 def candidates(block_ms, stage_counts):

@@ -720,14 +720,30 @@ def _tile_grid(n_tiles: int, n_pairs: int) -> tuple[tuple[int, ...], bool]:
     return (n_tiles * n_pairs,), True
 
 
-def _pairs_per_group(tile: dict, window: tuple[int, int], partner_bytes: int) -> int:
-    """``_tile_of_head``'s order for a pass: 0 (natural) unless its launch entry asks for ``heavy_first`` and the
-    tiles differ in work (a causal mask, ``right`` 0); then as many pairs as keep the partner tiles they stream
-    (``partner_bytes`` per pair) within 16 MB, a third of the H200's L2, and at most 16 (enough to end the
-    simulated tail at 1k tokens). Without a causal mask every tile does the same work: no tail to shorten."""
+def _group_limit(tile: dict, window: tuple[int, int], partner_bytes: int) -> int:
+    """The most (batch, head) pairs per group of ``_tile_of_head``'s order for a pass: 0 (natural order) unless its
+    launch entry asks for ``heavy_first`` and the tiles differ in work (a causal mask, ``right`` 0); then as many pairs
+    as keep the partner tiles they stream (``partner_bytes`` per pair) within 16 MB, a third of the H200's L2, and at
+    most 16 (enough to end the simulated tail at 1k tokens). Without a causal mask every tile does the same work: no
+    tail to shorten."""
     if not tile.get("heavy_first", False) or window[1] != 0:
         return 0
     return max(1, min(16, (16 << 20) // max(partner_bytes, 1)))
+
+
+def _pairs_per_group(tile: dict, window: tuple[int, int], partner_bytes: int, n_pairs: int) -> int:
+    """``_tile_of_head``'s group size for a launch of ``n_pairs`` pairs: the fewest groups within ``_group_limit``,
+    of equal size but for a smaller last one. A group's heaviest tile (a causal dK/dV pass's first key tile sees
+    every query) runs about as long as the whole group's work per SM, and a last group of a few pairs starts its
+    heaviest tiles only when the groups before have filled the SMs: on the H200 (B8 Hq16 Hk8 S4096 d128, groups of up
+    to 8 pairs) a dK/dV launch of 11 pairs, groups of 8 and 3, took 569 us, one of 16 pairs 605 and one of 8 pairs
+    307; a list-scheduling simulation of 132 SMs gives 11 pairs in groups of 6 and 5 a sixth less time than in 8
+    and 3, and never more time than the groups of the limit for 3-100 pairs."""
+    limit = _group_limit(tile, window, partner_bytes)
+    if limit == 0:
+        return 0
+    n_pairs = max(n_pairs, 1)
+    return cdiv(n_pairs, cdiv(n_pairs, limit))
 
 
 def _strides3(t, varlen):
@@ -797,7 +813,7 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
     tile, desc, (k_arg, v_arg) = _streamed(tile, varlen, tile["block_n"], head_dim, flops, k, v)
     block_m, block_n = tile["block_m"], tile["block_n"]
     # Each query tile streams the K and V of its kv head.
-    pairs_per_group = _pairs_per_group(tile, window, 2 * seqlen_k * head_dim * k.element_size())
+    pairs_per_group = _pairs_per_group(tile, window, 2 * seqlen_k * head_dim * k.element_size(), n_batch * n_heads)
     grid, flat = _tile_grid(cdiv(seqlen_q, block_m), n_batch * n_heads)
     launch(
         _fwd_kernel, grid,
@@ -816,23 +832,37 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
         tile["num_warps"], tile.get("num_stages"))
 
 
-def _ds_chunk_pairs(from_ds, varlen, sink, k, n_kv_pairs, group_size, seqlen_q, seqlen_k, flops, key_tiles):
+def _ds_chunk_pairs(from_ds, varlen, sink, k, n_kv_pairs, group_size, seqlen_q, seqlen_k, flops, key_tiles,
+                    group_limit):
     """How many (batch, kv head) pairs each launch of the backward through dS takes (its scratch holds their query
-    heads' dS): the fewest launches whose scratch fits the entry's ``budget`` bytes, in equal shares. 0 for the
-    backward that recomputes dS in the dQ pass: without a ``from_ds`` entry, for varlen batches, with a sink (whose
-    gradient the dQ pass sums), where the copy engine cannot address K, below the entry's ``min_flops``, where one
-    pair's dS alone exceeds the budget, or where the launches would be several and each run fewer dK/dV programs
-    (``key_tiles`` per pair) than the entry's ``min_programs``: on the H200 one pair of B2 Hq32 Hk8 S8192 per launch
-    (64 programs on 132 SMs) took the backward from 6.7 to 10.5 ms."""
+    heads' dS): the fewest launches whose scratch fits the entry's ``budget`` bytes, in equal shares, each a multiple
+    of a granule where the budget holds one. 0 for the backward that recomputes dS in the dQ pass: without a
+    ``from_ds`` entry, for varlen batches, with a sink (whose gradient the dQ pass sums), where the copy engine cannot
+    address K, below the entry's ``min_flops``, where one pair's dS alone exceeds the budget, or where the launches
+    would be several and each run fewer dK/dV programs (``key_tiles`` per pair) than the entry's ``min_programs``.
+
+    Both rules come from the causal dK/dV pass, whose heaviest program (a first key tile, which sees every query)
+    runs ``key_tiles`` times as long as its lightest. ``min_programs`` (about twice the SMs) is where a launch's work per
+    SM falls to that program's time: below it the launch lasts as long as the program, not its work (one pair of B2
+    Hq32 Hk8 S8192 d128 per launch, 64 programs on the H200's 132 SMs, took the backward from 6.7 to 10.5 ms). The
+    granule is the pairs whose work per SM lasts that long, ``min_programs / key_tiles``, or the pass's heavy-first
+    group (``group_limit`` pairs, ``_pairs_per_group``) if larger: a launch of a part of a granule more runs that
+    part's heaviest programs after the rest, for as long as a whole one. H200 (dK/dV launches, us): B8 Hq16 Hk8 S4096
+    d128 (granule 8) 307 for 8 pairs, 560-577 for 9-13 and 605 for 16, which made a 768 MiB budget's six launches of 11
+    pairs slower than the dQ pass (4353 against 3493 us per backward); B2 Hq16 Hk8 S8192 d256 (granule 2) 900 for 2
+    pairs, 1725 for 3 and 1790 for 4."""
     if from_ds is None or varlen or sink is not None or not _descriptor_ok(k) or flops < from_ds.get("min_flops", 0):
         return 0
     per_pair = group_size * seqlen_k * _ds_row_length(seqlen_q, k.element_size()) * k.element_size()
     most = from_ds["budget"] // per_pair
     if most == 0:
         return 0
-    n_launches = cdiv(n_kv_pairs, most)
-    pairs = cdiv(n_kv_pairs, n_launches)
-    if n_launches > 1 and pairs * key_tiles < from_ds.get("min_programs", 0):
+    pairs = cdiv(n_kv_pairs, cdiv(n_kv_pairs, most))
+    min_programs = from_ds.get("min_programs", 0)
+    granule = max(1, group_limit, round(min_programs / key_tiles))
+    if pairs < n_kv_pairs and most >= granule:
+        pairs = min(most // granule, cdiv(pairs, granule)) * granule
+    if pairs < n_kv_pairs and pairs * key_tiles < min_programs:
         return 0
     return pairs
 
@@ -883,7 +913,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     # together are at about the same head). Counting the whole group's Q and dO instead made the groups 2 pairs at
     # B16 Hq8 Hk2 S4096 and 1 at B2 Hq32 Hk8 S8192 (d128 causal), where the dK/dV pass took 7% longer than with 4-16
     # (H200, torch.profiler: 2101 against 1956-1987 us and 4237 against 3918-3998).
-    dkdv_pairs_per_group = _pairs_per_group(dkdv_tile, window, 2 * seqlen_q * head_dim * q.element_size())
+    dkdv_partner_bytes = 2 * seqlen_q * head_dim * q.element_size()
     threshold, keep_scale = _dropout_args(dropout_p)
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)
     lse_strides = _lse_strides(lse, varlen)
@@ -892,7 +922,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     n_kv_pairs = n_batch * n_kv_heads
     from_ds = dq_tile.get("from_ds")
     chunk_pairs = _ds_chunk_pairs(from_ds, varlen, sink, k, n_kv_pairs, group_size, seqlen_q, seqlen_k, flops,
-                                  cdiv(seqlen_k, dkdv_tile["block_n"]))
+                                  cdiv(seqlen_k, dkdv_tile["block_n"]),
+                                  _group_limit(dkdv_tile, window, dkdv_partner_bytes))
     ds = (_ds_scratch(q, chunk_pairs * group_size, seqlen_k, _ds_row_length(seqlen_q, q.element_size()))
           if chunk_pairs else None)
 
@@ -900,14 +931,15 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
         """The dK/dV pass over ``n_pairs`` (batch, kv head) pairs from ``first_pair``, storing dS through the
         descriptor ``ds_store`` unless it is None."""
         grid, flat = _tile_grid(cdiv(seqlen_k, dkdv_tile["block_n"]), n_pairs)
+        pairs_per_group = _pairs_per_group(dkdv_tile, window, dkdv_partner_bytes, n_pairs)
         launch(
             _bwd_dkdv_kernel, grid,
             (q_arg, k, v, dout_arg, lse, delta, dk, dv, cu_q, cu_k, seed, ds_store if ds_store is not None else lse),
-            (seqlen_q, seqlen_k, n_heads, n_kv_heads, group_size, head_dim, dkdv_pairs_per_group, first_pair,
+            (seqlen_q, seqlen_k, n_heads, n_kv_heads, group_size, head_dim, pairs_per_group, first_pair,
              *shared, *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
              *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides),
             dict(**flags, BLOCK_M=dkdv_tile["block_m"], BLOCK_N=dkdv_tile["block_n"], BLOCK_D=block_d,
-                 FLAT_GRID=flat, ONE_LOOP=dkdv_tile.get("one_loop", False), HEAVY_FIRST=dkdv_pairs_per_group > 0,
+                 FLAT_GRID=flat, ONE_LOOP=dkdv_tile.get("one_loop", False), HEAVY_FIRST=pairs_per_group > 0,
                  DESC=dkdv_desc, SINGLE_HEAD=group_size == 1 and not dkdv_tile.get("group_loop", False),
                  STORE_DS=ds_store is not None),
             dkdv_tile["num_warps"], dkdv_tile.get("num_stages"))
@@ -921,11 +953,12 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
         ds_store = TensorDescriptor(ds, ds_shape, ds_strides, [1, dkdv_tile["block_n"], dkdv_tile["block_m"]])
         ds_load = TensorDescriptor(ds, ds_shape, ds_strides, [1, from_ds["block_n"], from_ds["block_m"]])
         k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, from_ds["block_n"], 1, block_d])
-        dq_pairs_per_group = _pairs_per_group(from_ds, window, seqlen_k * head_dim * k.element_size())
         for first_pair in range(0, n_kv_pairs, chunk_pairs):
             n_pairs = min(chunk_pairs, n_kv_pairs - first_pair)
             dkdv_pass(first_pair, n_pairs, ds_store)
             grid, flat = _tile_grid(cdiv(seqlen_q, from_ds["block_m"]), n_pairs * group_size)
+            dq_pairs_per_group = _pairs_per_group(from_ds, window, seqlen_k * head_dim * k.element_size(),
+                                                  n_pairs * group_size)
             launch(
                 _bwd_dq_from_ds_kernel, grid, (ds_load, k_desc, dq),
                 (seqlen_q, seqlen_k, n_heads, group_size, head_dim, dq_pairs_per_group, first_pair * group_size,
@@ -936,7 +969,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
         return
 
     dq_tile, dq_desc, (k_arg, v_arg) = _streamed(dq_tile, varlen, dq_tile["block_n"], head_dim, flops, k, v)
-    dq_pairs_per_group = _pairs_per_group(dq_tile, window, 2 * seqlen_k * head_dim * k.element_size())
+    dq_pairs_per_group = _pairs_per_group(dq_tile, window, 2 * seqlen_k * head_dim * k.element_size(),
+                                          n_batch * n_heads)
     grid, flat = _tile_grid(cdiv(seqlen_q, dq_tile["block_m"]), n_batch * n_heads)
     launch(
         _bwd_dq_kernel, grid,

@@ -417,29 +417,48 @@ def test_backward_through_ds_falls_back_where_the_scratch_does_not_fit(fk, monke
 
 def test_backward_through_ds_only_where_it_applies(fk):
     """``_ds_chunk_pairs``: the pairs per launch, in equal shares of the fewest launches whose dS fits ``budget``
-    bytes (scratch rows padded to 16 bytes); 0 (the dQ pass) without a ``from_ds`` entry, for varlen batches, with
-    a sink, for a K the copy engine cannot address, below ``min_flops``, when one pair's dS exceeds the budget, or
-    when several launches would each run fewer dK/dV programs than ``min_programs``."""
+    bytes (scratch rows padded to 16 bytes), rounded to multiples of the granule (the dK/dV pass's heavy-first group,
+    or the pairs of ``min_programs / key_tiles`` programs, if larger) where the budget holds one; 0 (the dQ pass)
+    without a ``from_ds`` entry, for varlen batches, with a sink, for a K the copy engine cannot address, below
+    ``min_flops``, when one pair's dS exceeds the budget, or when several launches would each run fewer dK/dV programs
+    than ``min_programs``."""
     chunk_pairs = fk._kernels.flash_attn._ds_chunk_pairs
     k = torch.empty(2, 50, 3, 16, dtype=torch.float16)
     one_pair = 2 * 50 * 48 * 2  # group of 2, 50 keys, 45 queries padded to 48, 2 bytes
-    entry = {"budget": 4 * one_pair, "min_flops": 100, "min_programs": 10}
+    entry = {"budget": 4 * one_pair, "min_flops": 100, "min_programs": 8}
 
-    def pairs(n_pairs, key_tiles=4, flops=100, **changes):
-        return chunk_pairs({**entry, **changes}, False, None, k, n_pairs, 2, 45, 50, flops, key_tiles)
+    def pairs(n_pairs, key_tiles=4, flops=100, group_limit=0, **changes):
+        return chunk_pairs({**entry, **changes}, False, None, k, n_pairs, 2, 45, 50, flops, key_tiles, group_limit)
 
     assert pairs(3) == 3 and pairs(4) == 4
-    assert pairs(6) == 3  # two launches of 3 rather than 4 + 2
-    assert pairs(9) == 3  # three of 3
-    assert pairs(6, budget=one_pair) == 0  # six launches of one pair: 4 programs each, fewer than 10
+    assert pairs(6, key_tiles=10) == 3  # two launches of 3 rather than 4 + 2
+    assert pairs(9, key_tiles=10) == 3  # three of 3
+    # Granules: 8 programs of 4 key tiles -> 2 (3 + 3 -> 4 + 2), a heavy-first group of 3 (4 -> 3 + 3 + 1).
+    assert pairs(6) == 4 and pairs(9) == 4
+    assert pairs(7, key_tiles=10, group_limit=3) == 3
+    assert pairs(3, key_tiles=10, group_limit=3) == 3 and pairs(4, key_tiles=10, group_limit=3) == 4
+    assert pairs(9, key_tiles=10, group_limit=5) == 3  # a budget short of a granule: equal shares
+    assert pairs(6, budget=one_pair) == 0  # six launches of one pair: 4 programs each, fewer than 8
     assert pairs(6, budget=one_pair, key_tiles=10) == 1
     assert pairs(6, budget=one_pair - 1) == 0
     assert pairs(6, flops=99) == 0
-    assert chunk_pairs(None, False, None, k, 6, 2, 45, 50, 100, 4) == 0
-    assert chunk_pairs(entry, True, None, k, 6, 2, 45, 50, 100, 4) == 0
-    assert chunk_pairs(entry, False, torch.zeros(6), k, 6, 2, 45, 50, 100, 4) == 0
+    assert chunk_pairs(None, False, None, k, 6, 2, 45, 50, 100, 4, 0) == 0
+    assert chunk_pairs(entry, True, None, k, 6, 2, 45, 50, 100, 4, 0) == 0
+    assert chunk_pairs(entry, False, torch.zeros(6), k, 6, 2, 45, 50, 100, 4, 0) == 0
     misaligned = torch.empty(2, 50, 3, 20, dtype=torch.float16)[..., :17]
-    assert chunk_pairs(entry, False, None, misaligned, 6, 2, 45, 50, 100, 4) == 0
+    assert chunk_pairs(entry, False, None, misaligned, 6, 2, 45, 50, 100, 4, 0) == 0
+
+
+def test_heavy_first_groups_of_equal_size(fk):
+    """``_pairs_per_group``: the fewest groups within the limit (16 MB of partner tiles, at most 16 pairs), of equal
+    size but for a smaller last one, only where the entry asks for heavy-first and the mask is causal."""
+    pairs_per_group = fk._kernels.flash_attn._pairs_per_group
+    tile, causal, two_mib = {"heavy_first": True}, (-1, 0), 2 << 20  # a limit of 8 pairs
+    assert [pairs_per_group(tile, causal, two_mib, n) for n in (1, 3, 8, 11, 16, 17, 64)] == [1, 3, 8, 6, 8, 6, 8]
+    assert pairs_per_group(tile, causal, 1, 40) == 14  # at most 16 pairs a group: 14 + 14 + 12
+    assert pairs_per_group(tile, causal, two_mib, 0) == 1
+    assert pairs_per_group(tile, (-1, 5), two_mib, 11) == 0
+    assert pairs_per_group({}, causal, two_mib, 11) == 0
 
 
 @pytest.mark.usefixtures("tile_form")
@@ -654,10 +673,11 @@ def test_grids_and_program_orders_match_the_natural_order(fk, monkeypatch, grid_
         vout.backward(vdout)
         return [out, lse, keep, *[t.grad for t in a], vout, vlse, *[t.grad for t in va]]
 
-    monkeypatch.setattr(kernels_module, "_pairs_per_group", lambda tile, window, partner_bytes: 0)
+    monkeypatch.setattr(kernels_module, "_pairs_per_group", lambda tile, window, partner_bytes, n_pairs: 0)
     torch.manual_seed(17)
     natural = run_all()
-    monkeypatch.setattr(kernels_module, "_pairs_per_group", lambda tile, window, partner_bytes: pairs_per_group)
+    monkeypatch.setattr(kernels_module, "_pairs_per_group",
+                        lambda tile, window, partner_bytes, n_pairs: pairs_per_group)
     if grid_limit is not None:
         monkeypatch.setattr(kernels_module, "_GRID_AXIS_LIMIT", grid_limit)
     torch.manual_seed(17)
