@@ -131,10 +131,8 @@ def with_from_ds(label, timed, entry):
             best_ms, best = ms, from_ds
     if best is None:
         return entry
-    natural = {**best, "heavy_first": False}
-    natural_ms = timed({**entry, "from_ds": natural})
-    print(f"{label} order: natural {natural_ms * 1e3:.1f} us, heavy first {best_ms * 1e3:.1f} us", flush=True)
-    return {**entry, "from_ds": natural if natural_ms < best_ms else best}
+    from_ds = with_order(label, lambda tile: timed({**entry, "from_ds": tile}), {**best, "heavy_first": False})
+    return {**entry, "from_ds": from_ds}
 
 
 def with_switch(label, timed, entry, key):
