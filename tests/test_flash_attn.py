@@ -433,7 +433,8 @@ def test_backward_through_ds_only_where_it_applies(fk):
     assert pairs(3) == 3 and pairs(4) == 4
     assert pairs(6, key_tiles=10) == 3  # two launches of 3 rather than 4 + 2
     assert pairs(9, key_tiles=10) == 3  # three of 3
-    # Granules: 8 programs of 4 key tiles -> 2 (3 + 3 -> 4 + 2), a heavy-first group of 3 (4 -> 3 + 3 + 1).
+    # Granules: 8 programs of 4 key tiles make 2 pairs (6: 3 + 3 -> 4 + 2; 9: 3 + 3 + 3 -> 4 + 4 + 1), a heavy-first
+    # group of 3 pairs (7: 4 + 3 -> 3 + 3 + 1).
     assert pairs(6) == 4 and pairs(9) == 4
     assert pairs(7, key_tiles=10, group_limit=3) == 3
     assert pairs(3, key_tiles=10, group_limit=3) == 3 and pairs(4, key_tiles=10, group_limit=3) == 4
