@@ -841,16 +841,16 @@ def _ds_chunk_pairs(from_ds, varlen, sink, k, n_kv_pairs, group_size, seqlen_q, 
     address K, below the entry's ``min_flops``, where one pair's dS alone exceeds the budget, or where the launches
     would be several and each run fewer dK/dV programs (``key_tiles`` per pair) than the entry's ``min_programs``.
 
-    Both rules come from the causal dK/dV pass, whose heaviest program (a first key tile, which sees every query)
-    runs ``key_tiles`` times as long as its lightest. ``min_programs`` (about twice the SMs) is where a launch's work per
-    SM falls to that program's time: below it the launch lasts as long as the program, not its work (one pair of B2
-    Hq32 Hk8 S8192 d128 per launch, 64 programs on the H200's 132 SMs, took the backward from 6.7 to 10.5 ms). The
-    granule is the pairs whose work per SM lasts that long, ``min_programs / key_tiles``, or the pass's heavy-first
-    group (``group_limit`` pairs, ``_pairs_per_group``) if larger: a launch of a part of a granule more runs that
-    part's heaviest programs after the rest, for as long as a whole one. H200 (dK/dV launches, us): B8 Hq16 Hk8 S4096
-    d128 (granule 8) 307 for 8 pairs, 560-577 for 9-13 and 605 for 16, which made a 768 MiB budget's six launches of 11
-    pairs slower than the dQ pass (4353 against 3493 us per backward); B2 Hq16 Hk8 S8192 d256 (granule 2) 900 for 2
-    pairs, 1725 for 3 and 1790 for 4."""
+    Both rules come from the causal dK/dV pass, whose heaviest program (a first key tile, which sees every query) runs
+    ``key_tiles`` times as long as its lightest. ``min_programs`` (about twice the SMs) is where a launch's work per SM
+    falls to that program's time: below it the launch lasts as long as the program, not its work (one pair of B2 Hq32
+    Hk8 S8192 d128 per launch, 64 programs on the H200's 132 SMs, took the backward from 6.7 to 10.5 ms). The granule is
+    the pairs whose work per SM lasts that long, ``min_programs / key_tiles``, or the pass's heavy-first group
+    (``group_limit`` pairs, ``_pairs_per_group``) if larger: a launch of a part of a granule more runs that part's
+    heaviest programs after the rest, for as long as a whole one. H200 (dK/dV launches, us): B8 Hq16 Hk8 S4096 d128
+    (granule 8) 307 for 8 pairs, 560-577 for 9-13 and 605 for 16, which made a 768 MiB budget's six launches of 11 pairs
+    slower than the dQ pass (4353 against 3493 us per backward); B2 Hq16 Hk8 S8192 d256 (granule 2) 900 for 2 pairs,
+    1725 for 3 and 1790 for 4."""
     if from_ds is None or varlen or sink is not None or not _descriptor_ok(k) or flops < from_ds.get("min_flops", 0):
         return 0
     per_pair = group_size * seqlen_k * _ds_row_length(seqlen_q, k.element_size()) * k.element_size()
@@ -893,14 +893,15 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     (``dq_tile``, ``dkdv_tile``): one holds a query tile and streams key tiles, the other the reverse, so they favour
     opposite tile shapes. ``dkdv_tile`` may also set ``group_loop`` (see ``_bwd_dkdv_kernel``).
 
-    Two schemes. Where ``dq_tile`` has a ``from_ds`` entry (tile, ``budget``, ``min_flops``) and the batch is dense
-    (``_ds_chunk_pairs``), the backward goes through dS: ``_bwd_delta_kernel`` computes delta, then, a few (batch,
-    kv head) pairs at a time (as many as ``budget`` bytes of bf16/fp16 dS hold), the dK/dV pass also stores each
-    dS^T tile it computes into a scratch and ``_bwd_dq_from_ds_kernel`` reads it back for dQ = dS K: 5 matmuls per
-    tile pair instead of 7, for 2 bytes written and read per score. On the H200 (whole backward, us): B4 H32 S4096
-    D128 causal 3683 -> 3475, B8 Hq16 Hk8 3578 -> 3385, B2 Hq16 Hk8 S8192 D256 9896 -> 8322 (README, "Flash
-    attention"). Otherwise (also where the device has no room for the scratch: ``_ds_scratch``) the dQ pass runs first
-    (it writes delta, which the dK/dV pass reads) and recomputes P and dP itself."""
+    Two schemes. Where ``dq_tile`` has a ``from_ds`` entry (tile, ``budget``, ``min_flops``, ``min_programs``) and the
+    batch is dense, the backward goes through dS: ``_bwd_delta_kernel`` computes delta, then, a share of the (batch, kv
+    head) pairs at a time (equal shares of whole granules whose bf16/fp16 dS fits ``budget`` bytes:
+    ``_ds_chunk_pairs``), the dK/dV pass also stores each dS^T tile it computes into a scratch and
+    ``_bwd_dq_from_ds_kernel`` reads it back for dQ = dS K: 5 matmuls per tile pair instead of 7, for 2 bytes written
+    and read per score. On the H200 (whole backward, us, at 3b7fb0f): B4 H32 S4096 D128 causal 3683 -> 3475, B8 Hq16 Hk8
+    3578 -> 3385, B2 Hq16 Hk8 S8192 D256 9896 -> 8322 (README, "Flash attention"). Otherwise (also where the device has
+    no room for the scratch: ``_ds_scratch``) the dQ pass runs first (it writes delta, which the dK/dV pass reads) and
+    recomputes P and dP itself."""
     varlen = cu_seqlens_q is not None
     n_heads, n_kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
     group_size = n_heads // n_kv_heads
