@@ -59,6 +59,11 @@ DESC_MIN_FLOPS = 10**11
 FROM_DS_STAGES = (2, 3, 4)
 FROM_DS_BUDGET = 768 << 20
 FROM_DS_MIN_PROGRAMS = 256
+# Per head dim, the most granules (see ``_ds_chunk_pairs``) the launches may run per granule of pairs; beyond it the
+# dQ pass was faster on the H200 (measured on shapes the tuning shape does not cover: whole backward through dS
+# against the dQ pass 0.93-0.99 at 1.11, 1.00-1.03 at 1.14 with head dim 128; 0.86 at 1.2, 1.10 at 1.375 with 256).
+# Head dim 64, where the dQ pass has won at the tuning shape, takes 128's value unmeasured.
+FROM_DS_MAX_GRANULE_RATIO = {64: 1.12, 128: 1.12, 256: 1.25}
 
 
 def candidates(block_ms, stage_counts):
@@ -111,7 +116,7 @@ def with_order(label, timed, tile):
     return heavy if heavy_ms < natural_ms else tile
 
 
-def with_from_ds(label, timed, entry):
+def with_from_ds(label, timed, entry, head_dim):
     """The dQ ``entry`` with the fastest ``from_ds`` tile (then with its faster program order), or without one
     where no tile's backward through dS beats the dQ pass's."""
     entry = {key: value for key, value in entry.items() if key != "from_ds"}
@@ -120,7 +125,7 @@ def with_from_ds(label, timed, entry):
     for block_m, block_n, warps, stages in itertools.product(BLOCK_M, BLOCK_N, WARPS, FROM_DS_STAGES):
         from_ds = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
                    "heavy_first": True, "budget": FROM_DS_BUDGET, "min_flops": DESC_MIN_FLOPS,
-                   "min_programs": FROM_DS_MIN_PROGRAMS}
+                   "min_programs": FROM_DS_MIN_PROGRAMS, "max_granule_ratio": FROM_DS_MAX_GRANULE_RATIO[head_dim]}
         try:
             ms = timed({**entry, "from_ds": from_ds})
         except Exception as error:  # noqa: BLE001 - out of resources and the like: not a candidate
@@ -205,7 +210,7 @@ def main():
             fastest(f"d={head_dim} backward dK/dV", dkdv_timed, DKDV_BLOCK_M, DKDV_STAGES)), "group_loop")
         dq_timed = lambda tile: backward(dkdv_tile, tile)  # noqa: E731
         dq_tile = table_entry(f"d={head_dim} backward dQ", dq_timed, fastest(f"d={head_dim} backward dQ", dq_timed))
-        dq_tile = with_from_ds(f"d={head_dim} backward through dS", dq_timed, dq_tile)
+        dq_tile = with_from_ds(f"d={head_dim} backward through dS", dq_timed, dq_tile, head_dim)
         for kernel, tile in (("forward", forward_tile), ("backward_dkdv", dkdv_tile), ("backward_dq", dq_tile)):
             tuned[kernel][row] = {"max_cols": row, **tile}
     write_device_entries(args.write, device_name, {

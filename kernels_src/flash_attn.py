@@ -833,15 +833,17 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
 
 
 def _ds_chunk_pairs(from_ds, varlen, sink, k, n_kv_pairs, group_size, seqlen_q, seqlen_k, flops, key_tiles,
-                    group_limit):
+                    group_limit, causal):
     """How many (batch, kv head) pairs each launch of the backward through dS takes (its scratch holds their query
     heads' dS): the fewest launches whose scratch fits the entry's ``budget`` bytes, in equal shares, each a multiple
     of a granule where the budget holds one. 0 for the backward that recomputes dS in the dQ pass: without a
     ``from_ds`` entry, for varlen batches, with a sink (whose gradient the dQ pass sums), where the copy engine cannot
     address K, below the entry's ``min_flops``, where one pair's dS alone exceeds the budget, or where the launches
-    would be several and each run fewer dK/dV programs (``key_tiles`` per pair) than the entry's ``min_programs``.
+    would be several and either each run fewer dK/dV programs (``key_tiles`` per pair) than the entry's
+    ``min_programs`` or, with a ``causal`` mask, together run more than ``max_granule_ratio`` granules (below) per
+    granule of pairs.
 
-    Both rules come from the causal dK/dV pass, whose heaviest program (a first key tile, which sees every query) runs
+    The rules come from the causal dK/dV pass, whose heaviest program (a first key tile, which sees every query) runs
     ``key_tiles`` times as long as its lightest. ``min_programs`` (about twice the SMs) is where a launch's work per SM
     falls to that program's time: below it the launch lasts as long as the program, not its work (one pair of B2 Hq32
     Hk8 S8192 d128 per launch, 64 programs on the H200's 132 SMs, took the backward from 6.7 to 10.5 ms). The granule is
@@ -850,7 +852,13 @@ def _ds_chunk_pairs(from_ds, varlen, sink, k, n_kv_pairs, group_size, seqlen_q, 
     heaviest programs after the rest, for as long as a whole one. H200 (dK/dV launches, us): B8 Hq16 Hk8 S4096 d128
     (granule 8) 307 for 8 pairs, 560-577 for 9-13 and 605 for 16, which made a 768 MiB budget's six launches of 11 pairs
     slower than the dQ pass (4353 against 3493 us per backward); B2 Hq16 Hk8 S8192 d256 (granule 2) 900 for 2 pairs,
-    1725 for 3 and 1790 for 4."""
+    1725 for 3 and 1790 for 4. Where the pairs do not split into whole granules of at most the budget (12 pairs of 8-pair
+    granules: 8 + 4, as long as 8 + 8), the dQ pass, in one launch, can be faster. Whole backward through dS against the
+    dQ pass on the H200 (head dim 128, causal, S4096; granules run per granule of pairs): B4 H32 and B8 Hq16 Hk8 0.97
+    (1.00), B3 H12 0.93 and B9 Hq12 Hk4 0.99 (1.11), B7 Hq12 Hk4 1.00-1.03 (1.14), B5 Hq12 Hk4 1.03 (1.2), B3 Hq12 Hk4
+    1.10 (1.33); at head dim 256, where the dQ pass is slower, B5 Hq2 Hk1 S8192 0.86 (1.2) and B2 Hq16 Hk8 S8192 with
+    launches of 3 pairs 1.10 (1.375): the table's ``max_granule_ratio`` is 1.12 at head dim 128, 1.25 at 256. Without
+    a causal mask every program does the same work, and a launch of part of a granule is only shorter."""
     if from_ds is None or varlen or sink is not None or not _descriptor_ok(k) or flops < from_ds.get("min_flops", 0):
         return 0
     per_pair = group_size * seqlen_k * _ds_row_length(seqlen_q, k.element_size()) * k.element_size()
@@ -862,8 +870,13 @@ def _ds_chunk_pairs(from_ds, varlen, sink, k, n_kv_pairs, group_size, seqlen_q, 
     granule = max(1, group_limit, round(min_programs / key_tiles))
     if pairs < n_kv_pairs and most >= granule:
         pairs = min(most // granule, cdiv(pairs, granule)) * granule
-    if pairs < n_kv_pairs and pairs * key_tiles < min_programs:
-        return 0
+    if pairs < n_kv_pairs:
+        if pairs * key_tiles < min_programs:
+            return 0
+        # Each launch lasts as long as its pairs rounded up to whole granules.
+        granules = n_kv_pairs // pairs * cdiv(pairs, granule) + cdiv(n_kv_pairs % pairs, granule)
+        if causal and granules * granule > from_ds.get("max_granule_ratio", float("inf")) * n_kv_pairs:
+            return 0
     return pairs
 
 
@@ -893,10 +906,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     (``dq_tile``, ``dkdv_tile``): one holds a query tile and streams key tiles, the other the reverse, so they favour
     opposite tile shapes. ``dkdv_tile`` may also set ``group_loop`` (see ``_bwd_dkdv_kernel``).
 
-    Two schemes. Where ``dq_tile`` has a ``from_ds`` entry (tile, ``budget``, ``min_flops``, ``min_programs``) and the
-    batch is dense, the backward goes through dS: ``_bwd_delta_kernel`` computes delta, then, a share of the (batch, kv
-    head) pairs at a time (equal shares of whole granules whose bf16/fp16 dS fits ``budget`` bytes:
-    ``_ds_chunk_pairs``), the dK/dV pass also stores each dS^T tile it computes into a scratch and
+    Two schemes. Where ``dq_tile`` has a ``from_ds`` entry (tile, ``budget``, ``min_flops``, ``min_programs``,
+    ``max_granule_ratio``) and the batch is dense, the backward goes through dS: ``_bwd_delta_kernel`` computes delta,
+    then, a share of the (batch, kv head) pairs at a time (equal shares of whole granules whose bf16/fp16 dS fits
+    ``budget`` bytes: ``_ds_chunk_pairs``), the dK/dV pass also stores each dS^T tile it computes into a scratch and
     ``_bwd_dq_from_ds_kernel`` reads it back for dQ = dS K: 5 matmuls per tile pair instead of 7, for 2 bytes written
     and read per score. On the H200 (whole backward, us, at 3b7fb0f): B4 H32 S4096 D128 causal 3683 -> 3475, B8 Hq16 Hk8
     3578 -> 3385, B2 Hq16 Hk8 S8192 D256 9896 -> 8322 (README, "Flash attention"). Otherwise (also where the device has
@@ -924,7 +937,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     from_ds = dq_tile.get("from_ds")
     chunk_pairs = _ds_chunk_pairs(from_ds, varlen, sink, k, n_kv_pairs, group_size, seqlen_q, seqlen_k, flops,
                                   cdiv(seqlen_k, dkdv_tile["block_n"]),
-                                  _group_limit(dkdv_tile, window, dkdv_partner_bytes))
+                                  _group_limit(dkdv_tile, window, dkdv_partner_bytes), window[1] == 0)
     ds = (_ds_scratch(q, chunk_pairs * group_size, seqlen_k, _ds_row_length(seqlen_q, q.element_size()))
           if chunk_pairs else None)
 

@@ -182,13 +182,14 @@ def test_flash_attn_tuner_keeps_the_backward_through_ds_only_where_it_wins(monke
         return (0.9 - 0.1 * (from_ds["block_m"] == 128 and from_ds["block_n"] == 128 and from_ds["num_warps"] == 8
                              and from_ds["num_stages"] == 3) - 0.01 * (not from_ds["heavy_first"]))
 
-    chosen = tune_flash_attn.with_from_ds("test", timed, entry)
+    chosen = tune_flash_attn.with_from_ds("test", timed, entry, 128)
     assert chosen == {"block_m": 128, "block_n": 64, "num_warps": 8, "from_ds": {
         "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "heavy_first": False,
         "budget": tune_flash_attn.FROM_DS_BUDGET, "min_flops": tune_flash_attn.DESC_MIN_FLOPS,
-        "min_programs": tune_flash_attn.FROM_DS_MIN_PROGRAMS}}
+        "min_programs": tune_flash_attn.FROM_DS_MIN_PROGRAMS,
+        "max_granule_ratio": tune_flash_attn.FROM_DS_MAX_GRANULE_RATIO[128]}}
     slower = lambda tile: 1.0 + 0.1 * ("from_ds" in tile)  # noqa: E731
-    assert tune_flash_attn.with_from_ds("test", slower, entry) == {"block_m": 128, "block_n": 64, "num_warps": 8}
+    assert tune_flash_attn.with_from_ds("test", slower, entry, 128) == {"block_m": 128, "block_n": 64, "num_warps": 8}
 
 
 def test_report_derives_the_backward_alone(monkeypatch):

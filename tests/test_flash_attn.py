@@ -421,14 +421,16 @@ def test_backward_through_ds_only_where_it_applies(fk):
     or the pairs of ``min_programs / key_tiles`` programs, if larger) where the budget holds one; 0 (the dQ pass)
     without a ``from_ds`` entry, for varlen batches, with a sink, for a K the copy engine cannot address, below
     ``min_flops``, when one pair's dS exceeds the budget, or when several launches would each run fewer dK/dV programs
-    than ``min_programs``."""
+    than ``min_programs`` or, with a causal mask, run more than ``max_granule_ratio`` granules per granule of
+    pairs."""
     chunk_pairs = fk._kernels.flash_attn._ds_chunk_pairs
     k = torch.empty(2, 50, 3, 16, dtype=torch.float16)
     one_pair = 2 * 50 * 48 * 2  # group of 2, 50 keys, 45 queries padded to 48, 2 bytes
     entry = {"budget": 4 * one_pair, "min_flops": 100, "min_programs": 8}
 
-    def pairs(n_pairs, key_tiles=4, flops=100, group_limit=0, **changes):
-        return chunk_pairs({**entry, **changes}, False, None, k, n_pairs, 2, 45, 50, flops, key_tiles, group_limit)
+    def pairs(n_pairs, key_tiles=4, flops=100, group_limit=0, causal=True, **changes):
+        return chunk_pairs({**entry, **changes}, False, None, k, n_pairs, 2, 45, 50, flops, key_tiles, group_limit,
+                           causal)
 
     assert pairs(3) == 3 and pairs(4) == 4
     assert pairs(6, key_tiles=10) == 3  # two launches of 3 rather than 4 + 2
@@ -439,15 +441,25 @@ def test_backward_through_ds_only_where_it_applies(fk):
     assert pairs(7, key_tiles=10, group_limit=3) == 3
     assert pairs(3, key_tiles=10, group_limit=3) == 3 and pairs(4, key_tiles=10, group_limit=3) == 4
     assert pairs(9, key_tiles=10, group_limit=5) == 3  # a budget short of a granule: equal shares
+    # Granules run per granule of pairs: 6 pairs as 4 + 2 run 3 granules for 3 (1.0); 9 as 4 + 4 + 1 run 5 for 4.5
+    # (1.11); 7 as 3 + 3 + 1 (granule 3) 3 for 7 / 3 (1.29); 9 in three launches of 3 (granule 5) 3 for 1.8 (1.67).
+    # Without a causal mask a part of a granule is only shorter; a single launch is never declined.
+    assert pairs(9, max_granule_ratio=1.1, causal=False) == 4
+    assert pairs(6, max_granule_ratio=1.0) == 4
+    assert pairs(9, max_granule_ratio=1.12) == 4 and pairs(9, max_granule_ratio=1.1) == 0
+    assert pairs(7, key_tiles=10, group_limit=3, max_granule_ratio=1.3) == 3
+    assert pairs(7, key_tiles=10, group_limit=3, max_granule_ratio=1.25) == 0
+    assert pairs(9, key_tiles=10, group_limit=5, max_granule_ratio=1.6) == 0
+    assert pairs(3, key_tiles=10, group_limit=5, max_granule_ratio=1.0) == 3
     assert pairs(6, budget=one_pair) == 0  # six launches of one pair: 4 programs each, fewer than 8
     assert pairs(6, budget=one_pair, key_tiles=10) == 1
     assert pairs(6, budget=one_pair - 1) == 0
     assert pairs(6, flops=99) == 0
-    assert chunk_pairs(None, False, None, k, 6, 2, 45, 50, 100, 4, 0) == 0
-    assert chunk_pairs(entry, True, None, k, 6, 2, 45, 50, 100, 4, 0) == 0
-    assert chunk_pairs(entry, False, torch.zeros(6), k, 6, 2, 45, 50, 100, 4, 0) == 0
+    assert chunk_pairs(None, False, None, k, 6, 2, 45, 50, 100, 4, 0, True) == 0
+    assert chunk_pairs(entry, True, None, k, 6, 2, 45, 50, 100, 4, 0, True) == 0
+    assert chunk_pairs(entry, False, torch.zeros(6), k, 6, 2, 45, 50, 100, 4, 0, True) == 0
     misaligned = torch.empty(2, 50, 3, 20, dtype=torch.float16)[..., :17]
-    assert chunk_pairs(entry, False, None, misaligned, 6, 2, 45, 50, 100, 4, 0) == 0
+    assert chunk_pairs(entry, False, None, misaligned, 6, 2, 45, 50, 100, 4, 0, True) == 0
 
 
 def test_heavy_first_groups_of_equal_size(fk):
