@@ -5,7 +5,8 @@ heads, causal, bf16 (the shape class of h200-baselines.md): the forward's tile i
 forward; then the backward's two passes by coordinate descent: the dK/dV tile with the dQ tile fixed at the
 current table's, then the dQ tile with the best dK/dV one; each pass's tile then with and without ``heavy_first``
 (the order of its programs), the forward's with and without ``pipelined`` and ``pv_fence`` and the dK/dV tile's
-with and without ``group_loop``. Last, the tile of the backward through dS (the dQ entry's ``from_ds``), kept only
+with and without ``group_loop``. Then the forward's tile for short keys (``short``: b=16, s=1024), kept where it beats
+the entry's own tile there by 3%, and last the tile of the backward through dS (the dQ entry's ``from_ds``), kept only
 where that backward beats the dQ pass's. Candidates that do not fit (shared memory, registers) fail to launch and are
 skipped.
 The result is data: the package reads it at run time and never autotunes.
@@ -64,6 +65,10 @@ FROM_DS_MIN_PROGRAMS = 256
 # against the dQ pass 0.93-0.99 at 1.11, 1.00-1.03 at 1.14 with head dim 128; 0.86 at 1.2, 1.10 at 1.375 with 256).
 # Head dim 64, where the dQ pass has won at the tuning shape, takes 128's value unmeasured.
 FROM_DS_MAX_GRANULE_RATIO = {64: 1.12, 128: 1.12, 256: 1.25}
+# The forward's tile for short keys (``_for_key_length`` in kernels_src/flash_attn.py): timed at this many keys (causal,
+# 16k tokens), kept only where it is this much faster than the entry's own tile there, and used up to this length.
+SHORT_SEQ = 1024
+SHORT_MIN_GAIN = 0.97
 
 
 def candidates(block_ms, stage_counts):
@@ -140,6 +145,27 @@ def with_from_ds(label, timed, entry, head_dim):
     return {**entry, "from_ds": from_ds}
 
 
+def with_short(label, timed, entry):
+    """The forward ``entry`` with a ``short`` tile (shape, warps, stages; its other settings the entry's) where one is
+    at least ``1 - SHORT_MIN_GAIN`` faster than the entry's own tile at ``SHORT_SEQ`` keys (``timed`` runs that
+    shape); an old ``short`` is replaced either way."""
+    entry = {key: value for key, value in entry.items() if key != "short"}
+    entry_ms, best = timed(entry), None
+    best_ms = entry_ms * SHORT_MIN_GAIN
+    print(f"{label}: entry's tile {entry_ms * 1e3:.1f} us", flush=True)
+    for block_m, block_n, warps, stages in itertools.product(BLOCK_M, BLOCK_N, WARPS, (2, 3)):
+        short = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+        try:
+            ms = timed({**entry, **short})
+        except Exception as error:  # noqa: BLE001 - out of resources and the like: not a candidate
+            print(f"  {label} {short}: skipped ({type(error).__name__})", flush=True)
+            continue
+        print(f"  {label} {short}: {ms * 1e3:.1f} us", flush=True)
+        if ms < best_ms:
+            best_ms, best = ms, short
+    return entry if best is None else {**entry, "short": {"max_seqlen_k": SHORT_SEQ, **best}}
+
+
 def with_switch(label, timed, entry, key):
     """``entry`` with the launch switch ``key`` on if that is faster (a variant that cannot run is not): the
     forward's ``pipelined`` (see ``_fwd_tile`` in kernels_src/flash_attn.py) and ``pv_fence`` (``_fwd_kernel``) and
@@ -191,6 +217,20 @@ def main():
         forward_tile = table_entry(f"d={head_dim} forward", forward, fastest(f"d={head_dim} forward", forward))
         for switch in ("pipelined", "pv_fence"):
             forward_tile = with_switch(f"d={head_dim} forward", forward, forward_tile, switch)
+        short_batch = batch * seq // SHORT_SEQ
+        short_q, short_k, short_v, short_out = (torch.randn(short_batch, SHORT_SEQ, heads, head_dim, device="cuda",
+                                                            dtype=torch.bfloat16) for _ in range(4))
+        short_lse = torch.empty(short_batch, heads, SHORT_SEQ, device="cuda")
+
+        def forward_short(tile):
+            run = lambda: attn.flash_attn_forward(  # noqa: E731
+                short_q, short_k, short_v, short_out, short_lse, None, seed, None, None, short_batch, SHORT_SEQ,
+                SHORT_SEQ, head_dim ** -0.5, 0.0, (1 << 30, 0), 0.0, tile=tile)
+            run()
+            return do_bench(run, warmup=10, rep=50)
+
+        forward_tile = with_short(f"d={head_dim} forward, {SHORT_SEQ} keys", forward_short, forward_tile)
+        del short_q, short_k, short_v, short_out, short_lse
         attn.flash_attn_forward(q, k, v, out, lse, None, seed, *common, tile=forward_tile)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)

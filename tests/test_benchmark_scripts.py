@@ -163,6 +163,31 @@ def test_flash_attn_tuner_switches(monkeypatch):
     assert tune_flash_attn.with_switch("test", faster, pointers, "pipelined") == {**pointers, "pipelined": True}
 
 
+def test_flash_attn_tuner_keeps_a_short_tile_only_where_it_wins(monkeypatch):
+    """tune_flash_attn.py: ``with_short`` gives the forward entry the fastest tile at short keys (candidates that
+    cannot run skipped) when it beats the entry's own tile there by ``1 - SHORT_MIN_GAIN``, else none; an old
+    ``short`` is replaced either way."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import tune_flash_attn
+
+    entry = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "one_loop": True,
+             "short": {"max_seqlen_k": 1, "block_m": 16}}
+
+    def timed(tile, gain):
+        assert "short" not in tile and tile["one_loop"]
+        if tile["num_warps"] == 8 and tile["block_m"] == 64:
+            raise RuntimeError("out of resources")
+        if (tile["block_m"], tile["block_n"], tile["num_warps"], tile["num_stages"]) == (64, 64, 4, 3):
+            return 1.0 - gain
+        return 1.0 + 0.01 * (tile["block_m"] != 128)
+
+    chosen = tune_flash_attn.with_short("test", lambda tile: timed(tile, 0.1), entry)
+    plain = {key: value for key, value in entry.items() if key != "short"}
+    assert chosen == {**plain, "short": {"max_seqlen_k": tune_flash_attn.SHORT_SEQ, "block_m": 64, "block_n": 64,
+                                         "num_warps": 4, "num_stages": 3}}
+    assert tune_flash_attn.with_short("test", lambda tile: timed(tile, 0.02), entry) == plain
+
+
 def test_flash_attn_tuner_keeps_the_backward_through_ds_only_where_it_wins(monkeypatch):
     """tune_flash_attn.py: ``with_from_ds`` gives the dQ entry the fastest ``from_ds`` tile (candidates that cannot
     run skipped) in its faster program order, and none when no tile beats the dQ pass; an old ``from_ds`` is

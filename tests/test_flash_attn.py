@@ -462,6 +462,48 @@ def test_backward_through_ds_only_where_it_applies(fk):
     assert chunk_pairs(entry, False, None, misaligned, 6, 2, 45, 50, 100, 4, 0, True) == 0
 
 
+def test_forward_takes_the_short_tile_up_to_its_key_length(fk, monkeypatch):
+    """The forward entry's ``short`` overrides (tile shape, warps, stages) apply where seqlen_k is at most its
+    ``max_seqlen_k``, and only there, in dense and varlen batches, with the same outputs as the entry's own tile."""
+    kernels_module = fk._kernels.flash_attn
+    table_pick = fk._flash_attn.pick
+    short = {"max_seqlen_k": 40, "block_m": 32, "block_n": 32, "num_warps": 2}
+
+    def pick(family, kind, device, head_dim):
+        tile = table_pick(family, kind, device, head_dim)
+        return {**tile, "short": short} if kind == "forward" else tile
+
+    launched = []
+
+    def recording_launch(kernel, grid, pointers, scalars, constexprs, num_warps, *args):
+        if kernel is kernels_module._fwd_kernel:
+            launched.append((constexprs["BLOCK_M"], constexprs["BLOCK_N"], num_warps))
+        return launch(kernel, grid, pointers, scalars, constexprs, num_warps, *args)
+
+    launch = kernels_module.launch
+    monkeypatch.setattr(kernels_module, "launch", recording_launch)
+    entry = table_pick("flash_attn", "forward", torch.device(DEVICE), 16)
+    entry_tile = (entry["block_m"], entry["block_n"], entry["num_warps"])
+    assert entry_tile != (32, 32, 2)
+    torch.manual_seed(23)
+    for seq_k, expected in ((40, (32, 32, 2)), (41, entry_tile)):
+        q, k, v = make_qkv(2, 37, seq_k, 2, 1, 16, torch.float16)
+        outputs = {}
+        for with_short in (False, True):
+            monkeypatch.setattr(fk._flash_attn, "pick", pick if with_short else table_pick)
+            launched.clear()
+            outputs[with_short] = fk.flash_attn_func(q, k, v, causal=True)
+            assert launched == [expected if with_short else entry_tile]
+        torch.testing.assert_close(outputs[True], outputs[False], atol=2e-3, rtol=0)
+        # Varlen: the longest sequence's keys decide.
+        cu_q = torch.tensor([0, 17, 37], dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor([0, 1, seq_k + 1], dtype=torch.int32, device=DEVICE)
+        keys = torch.cat([k[0], k[1, :1]]), torch.cat([v[0], v[1, :1]])
+        launched.clear()
+        fk.flash_attn_varlen_func(q[0], *keys, cu_q, cu_k, 20, seq_k, causal=True)
+        assert launched == [expected]
+
+
 def test_heavy_first_groups_of_equal_size(fk):
     """``_pairs_per_group``: the fewest groups within the limit (16 MB of partner tiles, at most 16 pairs), of equal
     size but for a smaller last one, only where the entry asks for heavy-first and the mask is causal."""
