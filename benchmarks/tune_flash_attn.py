@@ -78,17 +78,26 @@ def candidates(block_ms, stage_counts):
                "desc": desc}
 
 
+def timed_candidate(label, timed, tile, shown):
+    """``timed(tile)`` in milliseconds, or None where the candidate cannot run (out of shared memory or registers
+    and the like: ``timed`` raises); printed either way, the candidate as ``shown``."""
+    try:
+        ms = timed(tile)
+    except Exception as error:  # noqa: BLE001 - any failure to compile or launch: not a candidate
+        print(f"  {label} {shown}: skipped ({type(error).__name__})", flush=True)
+        return None
+    print(f"  {label} {shown}: {ms * 1e3:.1f} us", flush=True)
+    return ms
+
+
 def fastest(label, timed, block_ms=BLOCK_M, stage_counts=STAGES):
     """(the candidate with the lowest time, the one among those with pointer loads); ``timed(config)`` returns
     milliseconds or raises if it cannot run."""
     best = {}
     for config in candidates(block_ms, stage_counts):
-        try:
-            ms = timed(config)
-        except Exception as error:  # noqa: BLE001 - out of resources and the like: not a candidate
-            print(f"  {label} {config}: skipped ({type(error).__name__})", flush=True)
+        ms = timed_candidate(label, timed, config, config)
+        if ms is None:
             continue
-        print(f"  {label} {config}: {ms * 1e3:.1f} us", flush=True)
         for kind in ("any", "pointers") if not config["desc"] else ("any",):
             if kind not in best or ms < best[kind][0]:
                 best[kind] = (ms, config)
@@ -131,13 +140,8 @@ def with_from_ds(label, timed, entry, head_dim):
         from_ds = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
                    "heavy_first": True, "budget": FROM_DS_BUDGET, "min_flops": DESC_MIN_FLOPS,
                    "min_programs": FROM_DS_MIN_PROGRAMS, "max_granule_ratio": FROM_DS_MAX_GRANULE_RATIO[head_dim]}
-        try:
-            ms = timed({**entry, "from_ds": from_ds})
-        except Exception as error:  # noqa: BLE001 - out of resources and the like: not a candidate
-            print(f"  {label} {from_ds}: skipped ({type(error).__name__})", flush=True)
-            continue
-        print(f"  {label} {from_ds}: {ms * 1e3:.1f} us", flush=True)
-        if ms < best_ms:
+        ms = timed_candidate(label, timed, {**entry, "from_ds": from_ds}, from_ds)
+        if ms is not None and ms < best_ms:
             best_ms, best = ms, from_ds
     if best is None:
         return entry
@@ -155,13 +159,8 @@ def with_short(label, timed, entry):
     print(f"{label}: entry's tile {entry_ms * 1e3:.1f} us", flush=True)
     for block_m, block_n, warps, stages in itertools.product(BLOCK_M, BLOCK_N, WARPS, (2, 3)):
         short = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
-        try:
-            ms = timed({**entry, **short})
-        except Exception as error:  # noqa: BLE001 - out of resources and the like: not a candidate
-            print(f"  {label} {short}: skipped ({type(error).__name__})", flush=True)
-            continue
-        print(f"  {label} {short}: {ms * 1e3:.1f} us", flush=True)
-        if ms < best_ms:
+        ms = timed_candidate(label, timed, {**entry, **short}, short)
+        if ms is not None and ms < best_ms:
             best_ms, best = ms, short
     return entry if best is None else {**entry, "short": {"max_seqlen_k": SHORT_SEQ, **best}}
 
