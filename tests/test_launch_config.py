@@ -59,3 +59,50 @@ def test_the_architecture_fallback_names_a_tuned_gpu(fk):
     for gpu in config._SAME_ARCHITECTURE.values():
         for family in _families(fk):
             assert any(gpu in per_device for per_device in config._table(family).values()), (family, gpu)
+
+
+# What the launchers read from each kernel's entries (besides ``max_cols``, which selects the entry). The optional keys
+# are read with a default, so a misspelt one would be ignored without a word (a "max_granule_ratio" under another name
+# would switch its rule off): the tables may hold these keys only.
+_FLASH_ATTN_TILE = {"block_m", "block_n", "num_warps", "num_stages", "one_loop", "heavy_first", "desc", "desc_min_flops",
+                    "without_desc"}
+_READ_KEYS = {
+    ("rms_norm", "forward"): {"block_rows", "block_cols", "num_warps", "two_pass"},
+    ("rms_norm", "forward_unaligned"): {"block_rows", "block_cols", "num_warps", "two_pass"},
+    ("rms_norm", "backward"): {"block_rows", "block_cols", "num_warps", "programs_per_sm"},
+    ("rms_norm", "backward_unaligned"): {"block_rows", "block_cols", "num_warps", "programs_per_sm"},
+    ("cross_entropy", "rows"): {"block_cols", "num_warps", "num_stages"},
+    ("cross_entropy", "constants"): {"block_cols", "num_warps"},
+    ("cross_entropy", "scale"): {"block_cols", "num_warps", "programs_per_sm"},
+    ("rope", "rope"): {"block_s", "block_h", "num_warps"},
+    ("swiglu", "forward"): {"block_rows", "block_cols", "num_warps"},
+    ("swiglu", "backward"): {"block_rows", "block_cols", "num_warps"},
+    ("flash_attn", "forward"): _FLASH_ATTN_TILE | {"pv_fence", "pipelined", "short"},
+    ("flash_attn", "backward_dkdv"): _FLASH_ATTN_TILE | {"group_loop"},
+    ("flash_attn", "backward_dq"): _FLASH_ATTN_TILE | {"from_ds"},
+}
+# Keys whose values are entries of their own, and what those may hold (``without_desc``: any key of its entry that
+# switches a tile setting).
+_NESTED_KEYS = {
+    "short": {"max_seqlen_k", "block_m", "block_n", "num_warps", "num_stages"},
+    "from_ds": {"block_m", "block_n", "num_warps", "num_stages", "heavy_first", "budget", "min_flops", "min_programs",
+                "max_granule_ratio"},
+}
+
+
+def test_launch_tables_hold_only_keys_the_launchers_read(fk):
+    config = fk._launch_config
+    kernels = {(family, kernel) for family in _families(fk) for kernel in config._table(family)}
+    assert kernels == set(_READ_KEYS), "a table's kernels changed: update _READ_KEYS with what its launcher reads"
+    for family, kernel in sorted(kernels):
+        allowed = _READ_KEYS[family, kernel]
+        for device, entries in config._table(family)[kernel].items():
+            for entry in entries:
+                where = (family, kernel, device, entry.get("max_cols"))
+                assert set(entry) - {"max_cols"} <= allowed, (where, set(entry) - {"max_cols"} - allowed)
+                for key, nested in entry.items():
+                    if key == "without_desc":
+                        assert set(nested) <= allowed - {"without_desc", "desc", "desc_min_flops", "short", "from_ds"}, (
+                            where, key, nested)
+                    elif key in _NESTED_KEYS:
+                        assert set(nested) <= _NESTED_KEYS[key], (where, key, set(nested) - _NESTED_KEYS[key])
