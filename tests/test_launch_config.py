@@ -64,8 +64,8 @@ def test_the_architecture_fallback_names_a_tuned_gpu(fk):
 # What the launchers read from each kernel's entries (besides ``max_cols``, which selects the entry). The optional keys
 # are read with a default, so a misspelt one would be ignored without a word (a "max_granule_ratio" under another name
 # would switch its rule off): the tables may hold these keys only.
-_FLASH_ATTN_TILE = {"block_m", "block_n", "num_warps", "num_stages", "one_loop", "heavy_first", "desc", "desc_min_flops",
-                    "without_desc"}
+_FLASH_ATTN_TILE = {"block_m", "block_n", "num_warps", "num_stages", "one_loop", "heavy_first", "desc",
+                    "desc_min_flops", "without_desc"}
 _READ_KEYS = {
     ("rms_norm", "forward"): {"block_rows", "block_cols", "num_warps", "two_pass"},
     ("rms_norm", "forward_unaligned"): {"block_rows", "block_cols", "num_warps", "two_pass"},
@@ -100,9 +100,9 @@ def test_launch_tables_hold_only_keys_the_launchers_read(fk):
             for entry in entries:
                 where = (family, kernel, device, entry.get("max_cols"))
                 assert set(entry) - {"max_cols"} <= allowed, (where, set(entry) - {"max_cols"} - allowed)
+                switches = allowed - {"without_desc", "desc", "desc_min_flops", "short", "from_ds"}
                 for key, nested in entry.items():
                     if key == "without_desc":
-                        assert set(nested) <= allowed - {"without_desc", "desc", "desc_min_flops", "short", "from_ds"}, (
-                            where, key, nested)
+                        assert set(nested) <= switches, (where, key, set(nested) - switches)
                     elif key in _NESTED_KEYS:
                         assert set(nested) <= _NESTED_KEYS[key], (where, key, set(nested) - _NESTED_KEYS[key])
