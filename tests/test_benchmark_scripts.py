@@ -119,6 +119,17 @@ def test_rms_norm_tuner_keeps_untuned_buckets(monkeypatch):
     assert entries == [entry if entry["max_cols"] != 65536 else {"max_cols": 65536, **tuned} for entry in current]
 
 
+def test_rms_norm_tuner_keeps_the_least_worst_slowdown(monkeypatch):
+    """tune_rms_norm.py times each candidate at every size of ELEMENTS and keeps the one whose larger ratio to the
+    fastest time at either size is the least: not the fastest at either size alone."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import tune_rms_norm
+
+    by_config = {(("num_warps", 4),): [0.98, 9.9], (("num_warps", 8),): [1.05, 9.0], (("num_warps", 16),): [1.0, 9.6]}
+    # Fastest: 0.98 and 9.0; worst ratios 1.100, 1.071 and 1.067: 16 warps.
+    assert tune_rms_norm._least_worst_slowdown(by_config) == ([1.0, 9.6], {"num_warps": 16})
+
+
 def test_flash_attn_tuner_keeps_the_pointer_tile_for_descriptor_entries(monkeypatch):
     """tune_flash_attn.py: ``fastest`` returns the fastest tile overall and the fastest with pointer loads, and
     ``table_entry`` turns a descriptor winner into an entry that keeps the pointer tile's differences as

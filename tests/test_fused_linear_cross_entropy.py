@@ -200,6 +200,39 @@ def test_default_chunk_never_outgrows_the_weight_gradient_sums(fk):
     assert flce["chunk_tokens_for"](32768, 151936, 2, budget_for(qwen3_small, low_memory=False)) == 1024
 
 
+def test_default_is_one_chunk_where_the_logits_fit_in_the_sums(fk):
+    """In half precision, where all the logits take no more memory than the fp32 weight-gradient sums (tokens *
+    itemsize <= 4 * hidden), the default is one chunk, which needs no sums; otherwise the budgeted chunks. Not for
+    fp32 weights (the sums are the gradient: one chunk would save nothing), nor without a weight gradient, nor with
+    low_memory."""
+    flce = fk.fused_linear_cross_entropy.__globals__
+    default, budgeted, budget_for = flce["default_chunk_tokens"], flce["chunk_tokens_for"], flce["default_chunk_budget"]
+    head = torch.empty(151936, 4096, dtype=torch.bfloat16, device="meta")
+    assert default(8192, head, low_memory=False) == 8192  # the benchmark's shape: 2.32 GiB of logits and of sums
+    assert default(8193, head, low_memory=False) == budgeted(8193, 151936, 2, budget_for(head, False)) == 2752
+    assert default(8192, head, low_memory=False, weight_grad=False) == 2752
+    assert default(8192, head, low_memory=True) == budgeted(8192, 151936, 2, budget_for(head, True))
+    assert default(2048, head.to(torch.float32), low_memory=False) == 1024
+    assert default(0, head, low_memory=False) == 1
+    qwen3_small = torch.empty(151936, 1024, dtype=torch.float16, device="meta")
+    assert default(2048, qwen3_small, low_memory=False) == 2048
+    assert default(32768, qwen3_small, low_memory=False) == 1024
+
+
+def test_one_chunk_equals_several(fk):
+    """The one-chunk weight gradient (one GEMM into the weight's dtype) against the chunked fp32 sums, and both
+    against the float64 reference, in half precision (fp16: the CPU interpreter's bf16 dots are wrong)."""
+    torch.manual_seed(5)
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    hidden, weight, bias, target = make_inputs(SHAPE, dtype, with_bias=True)
+    torch.manual_seed(6)  # the same incoming gradient each time
+    one = check(fk, hidden, weight, bias, target, chunk_tokens=target.numel())
+    torch.manual_seed(6)
+    several = check(fk, hidden, weight, bias, target, chunk_tokens=CHUNK)
+    for a, b in zip(one, several):
+        assert rel_err(a, b) < (2e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_equals_cross_entropy_on_explicit_logits(fk, reduction):
     torch.manual_seed(3)
@@ -444,7 +477,9 @@ def test_torch_cpu_variant_matches_reference(fk_cpu, poisoned_empty, reduction, 
 # ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not ON_GPU, reason="realistic LM-head shapes are too slow for the CPU interpreter")
-@pytest.mark.parametrize("shape", [(4096, 2048, 32000), (2048, 4096, 151936), (1024, 1024, 262144)], ids=str)
+# The first three take one chunk by default (tokens * 2 <= 4 * hidden), the last four chunks of 1024 tokens.
+@pytest.mark.parametrize("shape", [(4096, 2048, 32000), (2048, 4096, 151936), (1024, 1024, 262144),
+                                   (4096, 512, 65536)], ids=str)
 def test_bf16_real_shapes(fk, shape):
     torch.manual_seed(7)
     hidden, weight, bias, target = make_inputs(shape, torch.bfloat16)
