@@ -1,8 +1,9 @@
 """Tune the RMSNorm launch table for the GPU this runs on and write it into ``configs/rms_norm.json``.
 
 For each row-length bucket (``BUCKETS``) it times every candidate launch configuration of the forward
-and the backward kernel on bf16 inputs of about 64M and 512M elements (``ELEMENTS``, both well past the L2 cache)
-and keeps the one whose larger slowdown against the fastest at either size is the least.
+and the backward kernel on bf16 inputs of about 4M, 64M and 512M elements (``ELEMENTS``; do_bench flushes the L2
+cache before each call) and keeps the one whose largest slowdown against the fastest at any of those sizes is the
+least.
 The result is data: the package reads it at run time and never autotunes. ``--unaligned`` tunes the tables for
 rows the kernels access 2 bytes at a time (``forward_unaligned``, ``backward_unaligned``: rows off 16-byte
 boundaries), on rows one element shorter than each bucket.
@@ -28,11 +29,12 @@ from launch_tables import bucket_entries, read_table, write_device_entries
 # the 8192 entry's tile by 5-8% (H200, CUDA graphs: 16384 x 5000 85.3 -> 80.3 us, 16384 x 4608 79.9 -> 74.0); at 6144
 # it did not.
 BUCKETS = [128, 256, 512, 1024, 2048, 3072, 4096, 5120, 8192, 16384, 32768, 65536, 131072]
-# A tile can win at one size and lose at the other: on the H200 at 8192 columns the forward holding one row on 8
+# A tile can win at one size and lose at another: on the H200 at 8192 columns the forward holding one row on 8
 # warps took 65.4 us at 8192 rows and 517.0 at 65536, the same tile reading its row twice (``two_pass``) 65.8 and
-# 502.3 (CUDA graphs, 2026-12-01); timed at 64M elements alone, the tuner had kept the first. 512M: the largest
-# inputs of the benchmark grid (65536 x 8192).
-ELEMENTS = (64 * 1024 * 1024, 512 * 1024 * 1024)
+# 502.3 (CUDA graphs, 2026-12-01); timed at 64M elements alone, the tuner had kept the first. Timed at 64M and 512M
+# (the benchmark grid's largest inputs, 65536 x 8192), it took ``two_pass`` for 1024-16384 columns, which lost up to
+# 18% with fewer rows (4096 x 1024: 4.3 -> 5.0 us; benchmarks/results/h200/rms_norm_tables_ab.txt): hence 4M too.
+ELEMENTS = (4 * 1024 * 1024, 64 * 1024 * 1024, 512 * 1024 * 1024)
 WARPS = (4, 8, 16, 32)
 PROGRAMS_PER_SM = (1, 2, 3, 4, 8)
 # 2-byte accesses: fewer warps per row won on the H200 (16384 x 4095: forward 99 -> 84 us on 4 warps instead of 16,
@@ -104,8 +106,8 @@ def tune(kernel_module, n_cols, multiprocessors, unaligned, kernels=("forward", 
 
 
 def _least_worst_slowdown(by_config):
-    """(times, config) of the config whose largest ratio to the fastest time at each size is the least."""
-    fastest = [min(config_times[i] for config_times in by_config.values()) for i in range(len(ELEMENTS))]
+    """(times, config) of the config whose largest ratio to the fastest time at any size is the least."""
+    fastest = [min(times) for times in zip(*by_config.values())]
     config, config_times = min(by_config.items(),
                                key=lambda item: max(t / best for t, best in zip(item[1], fastest)))
     return config_times, dict(config)

@@ -120,8 +120,8 @@ def test_rms_norm_tuner_keeps_untuned_buckets(monkeypatch):
 
 
 def test_rms_norm_tuner_keeps_the_least_worst_slowdown(monkeypatch):
-    """tune_rms_norm.py times each candidate at every size of ELEMENTS and keeps the one whose larger ratio to the
-    fastest time at either size is the least: not the fastest at either size alone."""
+    """tune_rms_norm.py times each candidate at every size of ELEMENTS and keeps the one whose largest ratio to the
+    fastest time at any size is the least: here not the fastest at either size."""
     monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
     import tune_rms_norm
 
