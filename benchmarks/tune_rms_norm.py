@@ -1,9 +1,8 @@
 """Tune the RMSNorm launch table for the GPU this runs on and write it into ``configs/rms_norm.json``.
 
 For each row-length bucket (``BUCKETS``) it times every candidate launch configuration of the forward
-and the backward kernel on bf16 inputs of about 4M, 64M and 512M elements (``ELEMENTS``; do_bench flushes the L2
-cache before each call) and keeps the one whose largest slowdown against the fastest at any of those sizes is the
-least.
+and the backward kernel on bf16 inputs of about 64M and 512M elements (``ELEMENTS``, both well past the L2 cache)
+and keeps the one whose larger slowdown against the fastest at either size is the least.
 The result is data: the package reads it at run time and never autotunes. ``--unaligned`` tunes the tables for
 rows the kernels access 2 bytes at a time (``forward_unaligned``, ``backward_unaligned``: rows off 16-byte
 boundaries), on rows one element shorter than each bucket.
@@ -32,9 +31,12 @@ BUCKETS = [128, 256, 512, 1024, 2048, 3072, 4096, 5120, 8192, 16384, 32768, 6553
 # A tile can win at one size and lose at another: on the H200 at 8192 columns the forward holding one row on 8
 # warps took 65.4 us at 8192 rows and 517.0 at 65536, the same tile reading its row twice (``two_pass``) 65.8 and
 # 502.3 (CUDA graphs, 2026-12-01); timed at 64M elements alone, the tuner had kept the first. Timed at 64M and 512M
-# (the benchmark grid's largest inputs, 65536 x 8192), it took ``two_pass`` for 1024-16384 columns, which lost up to
-# 18% with fewer rows (4096 x 1024: 4.3 -> 5.0 us; benchmarks/results/h200/rms_norm_tables_ab.txt): hence 4M too.
-ELEMENTS = (4 * 1024 * 1024, 64 * 1024 * 1024, 512 * 1024 * 1024)
+# (the benchmark grid's largest inputs, 65536 x 8192) it took ``two_pass`` for 1024-16384 columns; checked at 1024 to
+# 65536 rows (benchmarks/results/h200/rms_norm_tables_ab.txt), that won or tied at every row count from 4096 columns
+# on, but below them lost up to 18% with few rows (4096 x 1024: 4.3 -> 5.0 us), so the H200 forward table took
+# it for the 4096, 8192 and 16384 buckets only (``--buckets``). A third size of 4M elements is too short for
+# do_bench's event timing (8 us against a 4 us floor): its ratios were noise, and the tiles it picked inconsistent.
+ELEMENTS = (64 * 1024 * 1024, 512 * 1024 * 1024)
 WARPS = (4, 8, 16, 32)
 PROGRAMS_PER_SM = (1, 2, 3, 4, 8)
 # 2-byte accesses: fewer warps per row won on the H200 (16384 x 4095: forward 99 -> 84 us on 4 warps instead of 16,

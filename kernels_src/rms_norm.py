@@ -482,7 +482,10 @@ def rms_norm_forward(x, x_layout, weight, residual, residual_layout, y, residual
     floor 77.1), 65536 x 5000 337.5 -> 310.4, 16384 x 4608 79.9 -> 74.0, 4096 x 5000 level (24.2 -> 24.4); but at
     6144 columns it was level or slower, and on full tiles it won only with many rows (16384 x 16384 257.8 -> 253.6,
     65536 x 4096 257 -> 251) and lost with fewer (4096 x 8192 34.2 -> 35.3, 1024 x 16384 19.6 -> 19.7, 1024 x 4096
-    4.9 -> 5.3), and with a residual (16384 x 4096: 133 -> 142). The H200 table uses it for 4097-5120 columns.
+    4.9 -> 5.3), and with a residual (16384 x 4096: 133 -> 142). The H200 table uses it for 4097-5120 columns and,
+    since tiles were tuned at 64M and 512M elements, at 4096, 8192 and 16384 columns too, where against the tiles
+    tuned at 64M alone it won or tied from 1024 to 65536 rows (65536 x 8192: 520.6 -> 503.2 us; 1024 x 4096: 4.6 ->
+    4.5; benchmarks/results/h200/rms_norm_tables_ab.txt).
     """
     rows_inner = x_layout[0]
     r_strides = _row_strides(residual_layout) if residual is not None else (0, 0, 0)
