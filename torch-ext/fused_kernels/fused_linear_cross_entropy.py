@@ -99,8 +99,8 @@ def default_chunk_tokens(n_tokens: int, weight: torch.Tensor, low_memory: bool, 
     chunk needs no sums, since its GEMM sums every token in fp32 inside cuBLAS and rounds once, straight into the
     gradient, which saves the sums' re-reads, the rounding pass and two of every chunk's GEMMs (H200, T=8192
     H=4096 V=151936 bf16, forward+backward: 48.6 -> 45.2 ms, peak 3.16 -> 3.54 GiB, the logits then being
-    larger than the chunk and half the sums they replace). Otherwise the fewest equal chunks within
-    ``default_chunk_budget``."""
+    larger than the chunk and half the sums they replace; benchmarks/results/h200/flce_one_chunk_ab.txt). Otherwise
+    the fewest equal chunks within ``default_chunk_budget``."""
     vocab, n_hidden = weight.shape[0], weight.shape[-1]  # not unpacked: a bad weight's error comes later, clearer
     itemsize = weight.element_size()
     if not low_memory and weight_grad and itemsize < 4 and n_tokens * itemsize <= 4 * n_hidden:
