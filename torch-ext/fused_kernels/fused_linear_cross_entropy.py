@@ -22,8 +22,8 @@ is all it has room for) and a second buffer the rest; the end rounds both into t
 sums every token in fp32 inside cuBLAS and rounds once, straight into the gradient. So where all the logits take
 no more memory than the fp32 sums would (half precision, ``tokens * b <= 4 * hidden``: 8192 tokens at hidden
 size 4096 in bf16), the default is one chunk. Otherwise each later chunk re-reads and re-writes the
-sums, so the default chunk is as large as the budget allows: ``CHUNK_BYTES`` of chunk logits (three chunks for
-8192 tokens of a 152k vocabulary), but no more than half the fp32 sums, which are live beside the chunk. For a
+sums, so the default chunk is as large as the budget allows: ``CHUNK_BYTES`` of chunk logits (five chunks for
+16384 tokens of a 152k vocabulary), but no more than half the fp32 sums, which are live beside the chunk. For a
 small hidden size (Qwen3-0.6B: 0.58 GiB of sums) a larger chunk only raises the peak, and the sums' re-read per
 chunk is cheap there: in the Qwen3-0.6B training step on the H200 (B=8 S=4096), chunks of half the sums (32)
 instead of all of them (16) took the peak from 38.05 to 37.76 GiB for 397.0 against 392.4-395.0 ms per step.
