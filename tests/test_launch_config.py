@@ -96,11 +96,11 @@ def test_launch_tables_hold_only_keys_the_launchers_read(fk):
     assert kernels == set(_READ_KEYS), "a table's kernels changed: update _READ_KEYS with what its launcher reads"
     for family, kernel in sorted(kernels):
         allowed = _READ_KEYS[family, kernel]
+        switches = allowed - {"without_desc", "desc", "desc_min_flops", "short", "from_ds"}
         for device, entries in config._table(family)[kernel].items():
             for entry in entries:
                 where = (family, kernel, device, entry.get("max_cols"))
                 assert set(entry) - {"max_cols"} <= allowed, (where, set(entry) - {"max_cols"} - allowed)
-                switches = allowed - {"without_desc", "desc", "desc_min_flops", "short", "from_ds"}
                 for key, nested in entry.items():
                     if key == "without_desc":
                         assert set(nested) <= switches, (where, key, set(nested) - switches)

@@ -214,7 +214,6 @@ class _WeightGradSum:
         vocab, n_hidden = weight.shape
         new = torch.zeros if zero else torch.empty
         self.grad = new((vocab, n_hidden), device=weight.device, dtype=weight.dtype)
-        self.one_chunk = one_chunk
         if weight.dtype == torch.float32 or one_chunk:
             self.parts = [(0, self.grad)]
         else:
@@ -225,10 +224,8 @@ class _WeightGradSum:
             self.parts = [(0, low), (split, high)]
 
     def add(self, dlogits, hidden_chunk, first):
-        """Adds ``dlogits.T @ hidden_chunk`` (the first call writes instead)."""
-        if self.one_chunk:
-            torch.mm(dlogits.t(), hidden_chunk, out=self.grad)
-            return
+        """Adds ``dlogits.T @ hidden_chunk`` (the first call writes instead; with one part, the gradient itself, in the
+        operands' dtype, that is one ``mm`` into it)."""
         for row, acc in self.parts:
             if acc.numel():
                 _accumulate(acc, dlogits[:, row:row + acc.shape[0]].t(), hidden_chunk, first)
