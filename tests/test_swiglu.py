@@ -427,6 +427,67 @@ def test_gradient_pass_writes_the_forward_output_over_its_incoming_gradient(requ
     assert all(torch.equal(before, after) for before, after in zip(inputs_before, (gate, up)))
 
 
+@pytest.mark.parametrize("module", ["fk", "fk_cpu"])
+def test_gradient_pass_writes_the_gradients_over_gate_and_up(request, poisoned_empty, module):
+    """What the MLP layers' backward uses where the graph is not kept (``_backward(..., grads_into_inputs=True)``):
+    the gradients are the same, bit for bit, and they are the gate and up tensors themselves."""
+    fk = request.getfixturevalue(module)
+    backward = sys.modules[fk.__name__ + ".swiglu"]._backward
+    gate, up = make_inputs((5, 3, 67), torch.bfloat16)
+    dout = torch.randn(gate.shape, device=DEVICE, dtype=gate.dtype)
+    want_grads = backward(dout, gate, up, "silu")
+    want_product = fk.swiglu(gate, up)
+    buffer = dout.clone()
+    grads = backward(buffer, gate, up, "silu", product_into_dout=True, grads_into_inputs=True)
+    assert grads[0] is gate and grads[1] is up
+    for got, want in zip(grads, want_grads):
+        assert torch.equal(got, want)
+    assert torch.equal(buffer, want_product)
+
+
+@pytest.mark.parametrize("layer", ["SwiGLUMLP", "GeGLUMLP"])
+def test_mlp_layer_backward_twice(fk, layer):
+    """With the graph kept (retain_graph), the MLP layer's backward leaves its saved gate and up intact: a second
+    backward gives the same gradients, and they equal, bit for bit, those of a backward that wrote over them."""
+    mlp = mlp_modules(48, 80, True, torch.bfloat16)
+    x, dout = torch.randn(3, 7, 48, device=DEVICE, dtype=torch.bfloat16), torch.randn(3, 7, 48, device=DEVICE,
+                                                                                       dtype=torch.bfloat16)
+    forward = getattr(fk.layers, layer).forward
+    _, once_dx, once = mlp_step(forward, mlp, x, dout)
+    once = {name: grad.clone() for name, grad in once.items()}
+    mlp.zero_grad()
+    x = leaf(x)
+    out = forward(mlp, x)
+    out.backward(dout, retain_graph=True)
+    first_dx, first = x.grad.clone(), {name: p.grad.clone() for name, p in mlp.named_parameters()}
+    mlp.zero_grad()
+    x.grad = None
+    out.backward(dout)
+    assert torch.equal(x.grad, first_dx) and torch.equal(first_dx, once_dx)
+    for name, p in mlp.named_parameters():
+        assert torch.equal(p.grad, first[name]) and torch.equal(first[name], once[name]), name
+
+
+@pytest.mark.skipif(not ON_GPU, reason="measures CUDA memory")
+def test_mlp_layer_backward_peak_memory(fk):
+    """Above what the forward left, the MLP layer's backward holds at most one (tokens, intermediate) tensor (the
+    hidden gradient, then the recomputed activation output over it), the (tokens, hidden) input gradient and the
+    three weight gradients: the gate and up gradients are written over the saved gate and up."""
+    tokens, hidden, intermediate = 16384, 256, 4096
+    mlp = mlp_modules(hidden, intermediate, False, torch.bfloat16)
+    x = leaf(torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16))
+    out = fk.layers.SwiGLUMLP.forward(mlp, x)
+    dout = torch.randn_like(out)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out.backward(dout)
+    torch.cuda.synchronize()
+    peak_extra = torch.cuda.max_memory_allocated() - held
+    bound = 2 * (tokens * intermediate + tokens * hidden + 3 * hidden * intermediate) + 8 * 2**20
+    assert peak_extra <= bound, f"peak extra {peak_extra / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB"
+
+
 def saved_activation_bytes(forward, mlp, x):
     """Bytes of the non-parameter tensors autograd keeps for the backward of ``forward(mlp, x)``."""
     parameters = {p.data_ptr() for p in mlp.parameters()}
@@ -450,6 +511,55 @@ def test_mlp_layer_keeps_only_its_input_gate_and_up(fk):
     modules = saved_activation_bytes(lambda m, i: m.down_proj(fk.swiglu(m.gate_proj(i), m.up_proj(i))), mlp, x)
     assert ours == 4 * tokens * (hidden + 2 * intermediate)  # x, gate(x), up(x)
     assert modules == ours + 4 * tokens * intermediate  # ... and down_proj's input, act(gate) * up
+
+
+def norm_then_mlp(fk, x, norm_weight, mlp, between=None):
+    """Llama's pre-MLP block tail: our RMSNorm, then the MLP layer; ``between`` (if any) acts on the norm's output
+    first."""
+    y = fk.rms_norm(x, norm_weight, 1e-6)
+    if between is not None:
+        y = between(y)
+    return fk.layers.SwiGLUMLP.forward(mlp, y)
+
+
+def test_mlp_after_our_norm_keeps_the_norm_input_instead_of_its_output(fk):
+    tokens, hidden, intermediate = 64, 32, 96
+    mlp = mlp_modules(hidden, intermediate, False, torch.float32)
+    norm_weight = torch.nn.Parameter(torch.rand(hidden, device=DEVICE) + 0.5)
+    x = torch.randn(tokens, hidden, device=DEVICE)
+    parameters = {p.data_ptr() for p in (*mlp.parameters(), norm_weight)}
+    kept = {}
+
+    def pack(t):
+        if t.data_ptr() not in parameters:
+            kept[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        norm_then_mlp(fk, leaf(x), norm_weight, mlp)
+    # The norm's input and its fp32 statistics, then gate and up: not the norm's output.
+    assert sum(kept.values()) == 4 * tokens * (hidden + 1 + 2 * intermediate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("between", ["none", "clone", "in_place"])
+def test_mlp_after_our_norm_gradients_are_those_of_a_kept_input(fk, dtype, between):
+    """The recomputed norm output gives the gradients of a kept one bit for bit ("clone": a copy, which carries
+    no mark, is kept); a norm output modified in place before the MLP is kept, not recomputed."""
+    mlp = mlp_modules(48, 80, False, dtype)
+    norm_weight = torch.nn.Parameter((torch.rand(48, device=DEVICE) + 0.5).to(dtype))
+    x, dout = torch.randn(3, 7, 48, device=DEVICE, dtype=dtype), torch.randn(3, 7, 48, device=DEVICE, dtype=dtype)
+    act = {"none": None, "clone": torch.clone, "in_place": lambda y: y.mul_(2.0)}[between]
+    kept = {"none": torch.clone, "clone": torch.clone, "in_place": lambda y: (y * 2.0).clone()}[between]
+    grads = []
+    for forward_between in (act, kept):
+        mlp.zero_grad()
+        norm_weight.grad = None
+        leaf_x = leaf(x)
+        norm_then_mlp(fk, leaf_x, norm_weight, mlp, forward_between).backward(dout)
+        grads.append([leaf_x.grad, norm_weight.grad, *(p.grad for p in mlp.parameters())])
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)
 
 
 def test_mlp_layer_runs_wrapped_projections_as_modules(fk):

@@ -12,6 +12,8 @@ run the Triton kernels; otherwise a plain PyTorch implementation with the same n
 the ``torch-cpu`` variant uses.
 """
 
+import weakref
+
 import torch
 
 from . import _checks
@@ -264,6 +266,8 @@ class _EagerRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual, eps, mode):
         y, residual_out, rstd = _forward(x, weight, residual, eps, mode)
+        if residual is None:
+            _record_source(y, x, weight, eps, mode)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x if residual is None else residual_out, rstd, weight)
         ctx.eps, ctx.mode, ctx.fused = eps, mode, residual is not None
@@ -276,6 +280,39 @@ class _EagerRMSNorm(torch.autograd.Function):
         dx, dw = _backward_impl(dy, d_residual_out, h, rstd, weight, ctx.eps, ctx.mode, compute_dw)
         # h = x + residual, so both inputs of the fused form receive dx.
         return dx, dw, dx if ctx.fused else None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Outputs that a consumer may recompute instead of keeping.
+# ----------------------------------------------------------------------------------------------------------
+
+_SOURCE = "_fused_kernels_rms_norm_source"
+
+
+def _record_source(y, x, weight, eps, mode):
+    """Marks ``y`` as ``rms_norm(x, weight, eps, mode)`` (the eager, non-fused form): a layer that keeps its input
+    for the backward, such as the MLP layers (``swiglu.gated_mlp``), can keep ``x`` instead, which this norm keeps
+    anyway, and recompute ``y`` (``output_source``, ``recompute_output``). ``x`` is held weakly: the mark never
+    keeps it alive."""
+    setattr(y, _SOURCE, (weakref.ref(x), x._version, y._version, weight, eps, mode))
+
+
+def output_source(y: torch.Tensor):
+    """``(x, weight, eps, mode)`` such that ``recompute_output`` gives ``y`` bit for bit, or None: when ``y`` is
+    not an output of ``rms_norm``, or it or its input was modified in place since, or the input is gone."""
+    source = getattr(y, _SOURCE, None)
+    if source is None:
+        return None
+    x_ref, x_version, y_version, weight, eps, mode = source
+    x = x_ref()
+    if x is None or x._version != x_version or y._version != y_version:
+        return None
+    return x, weight, eps, mode
+
+
+def recompute_output(x, weight, eps, mode) -> torch.Tensor:
+    """``rms_norm``'s output again, from the same input: the same kernel and launch, so the same bits."""
+    return _forward(x, weight, None, eps, mode)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------

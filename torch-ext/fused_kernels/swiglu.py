@@ -23,6 +23,7 @@ from ._build_info import BACKEND
 from ._launch_config import pick
 from ._layout import shared_row_layouts
 from ._ops import add_op_namespace_prefix
+from .rms_norm import output_source, recompute_output
 
 if BACKEND == "cuda":
     from ._kernels import swiglu as _triton_swiglu
@@ -133,17 +134,25 @@ def _forward(gate, up, activation):
     return _torch_forward(gate, up, activation)
 
 
-def _backward(dout, gate, up, activation, product_into_dout=False):
+def _backward(dout, gate, up, activation, product_into_dout=False, grads_into_inputs=False):
     """(d_gate, d_up), two new tensors of gate's shape. ``product_into_dout``: also overwrite ``dout`` (a contiguous
-    tensor the caller owns) with the forward's output ``act(gate) * up``, bit for bit, from the same pass."""
+    tensor the caller owns) with the forward's output ``act(gate) * up``, bit for bit, from the same pass.
+    ``grads_into_inputs``: write d_gate over ``gate`` and d_up over ``up`` instead (contiguous tensors the caller owns
+    and reads no more; each element is read before the same program writes it) and return them."""
     if _checks.runs_triton(gate):
-        d_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
-        d_up = torch.empty_like(d_gate)
+        if grads_into_inputs:
+            d_gate, d_up = gate, up
+        else:
+            d_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
+            d_up = torch.empty_like(d_gate)
         _triton_backward(dout, gate, up, d_gate, d_up, gate.shape[-1], activation, product_into_dout)
         return d_gate, d_up
     grads = _torch_backward(dout, gate, up, activation)
     if product_into_dout:
         dout.copy_(_torch_forward(gate, up, activation))
+    if grads_into_inputs:
+        gate.copy_(grads[0]), up.copy_(grads[1])
+        return gate, up
     return grads
 
 
@@ -259,37 +268,60 @@ def _gated(gate, up, activation):
 # The whole gated MLP, for the Hub layers.
 # ----------------------------------------------------------------------------------------------------------
 
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph for another one (``retain_graph``, ``create_graph``), so that
+    the tensors saved for it must stay as they are. Where torch cannot tell (no such query), it is assumed to."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return query is None or query()
+
+
 class _EagerGatedMLP(torch.autograd.Function):
     """``down(act(gate(x)) * up(x))`` keeping ``x``, ``gate(x)`` and ``up(x)`` for the backward, but not the
     activation's output, which the backward's gradient pass recomputes (bit for bit the forward's) for the down
     projection's weight gradient. Module by module, ``down_proj`` would keep that ``(tokens, intermediate)`` tensor
     as its input: one per layer, the largest activation of a training step. Gradients are what the modules give
-    (``nn.Linear``'s, in the input dtype)."""
+    (``nn.Linear``'s, in the input dtype).
+
+    When ``x`` is the output of our RMSNorm (the pre-MLP norm of Llama/Qwen blocks), the norm's input is kept
+    instead, which the norm keeps for its own backward anyway, and ``x`` is recomputed from it for the weight
+    gradients: one ``(tokens, hidden)`` tensor per layer fewer (Llama-3-8B at 32k tokens: 256 MiB a layer)."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation):
         gate = F.linear(x, w_gate, b_gate)
         up = F.linear(x, w_up, b_up)
-        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
+        source = output_source(x)
+        if source is None:
+            ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down, None)
+        else:
+            norm_input, norm_weight, *ctx.norm_options = source
+            ctx.save_for_backward(norm_input, gate, up, w_gate, w_up, w_down, norm_weight)
+        ctx.recompute_x = source is not None
         ctx.activation = activation
         return F.linear(_forward(gate, up, activation), w_down, b_down)
 
     @staticmethod
     def backward(ctx, dout):
-        x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
+        x, gate, up, w_gate, w_up, w_down, norm_weight = ctx.saved_tensors
         need_x, need_w_gate, need_w_up, need_w_down, need_b_gate, need_b_up, need_b_down, _ = ctx.needs_input_grad
         rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731 - (tokens, features) views for the weight GEMMs
         d_b_down = rows(dout).sum(0) if need_b_down else None
         # The gradient pass also recomputes the activation's output, over its incoming gradient d_hidden once read:
         # one pass over gate and up instead of two (H200, Qwen3-0.6B training step: the recomputing launch took
-        # 3.9 of the 14.3 ms of gated-activation kernels per step).
+        # 3.9 of the 14.3 ms of gated-activation kernels per step). Unless the graph is kept for another backward,
+        # it writes the gradients over gate and up, which nothing reads after it: the step's peak (this backward,
+        # in the last layer) then holds one (tokens, intermediate) tensor besides the saved ones instead of three.
         d_hidden = dout @ w_down
-        d_gate, d_up = _backward(d_hidden, gate, up, ctx.activation, product_into_dout=need_w_down)
+        d_gate, d_up = _backward(d_hidden, gate, up, ctx.activation, product_into_dout=need_w_down,
+                                 grads_into_inputs=not _graph_kept() and gate.is_contiguous() and up.is_contiguous())
         d_w_down = rows(dout).t() @ rows(d_hidden) if need_w_down else None
+        del d_hidden  # freed before the GEMMs below allocate theirs
         d_x = None
         if need_x:
             d_x = d_gate @ w_gate
-            d_x += d_up @ w_up
+            rows(d_x).addmm_(rows(d_up), w_up)  # summed in the GEMM's epilogue: no (tokens, hidden) temporary
+        if ctx.recompute_x and (need_w_gate or need_w_up):
+            x = recompute_output(x, norm_weight, *ctx.norm_options)
         d_w_gate = rows(d_gate).t() @ rows(x) if need_w_gate else None
         d_w_up = rows(d_up).t() @ rows(x) if need_w_up else None
         d_b_gate = rows(d_gate).sum(0) if need_b_gate else None
