@@ -7,9 +7,12 @@ only fp16 runs: the interpreter multiplies bf16 dot operands wrongly (triton#115
 """
 
 import math
+import unittest.mock
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import DEVICE, ON_GPU
 
@@ -102,22 +105,24 @@ def from_ds_tile(head_dim, budget=1 << 30):
             "heavy_first": True, "budget": budget, "min_flops": 0}
 
 
-@pytest.fixture(params=[(False, False, False, False), (True, False, False, False), (False, True, False, False),
-                        (True, True, False, False), (True, True, True, False), (True, True, False, True)],
-                ids=["three-loops-pointers", "one-loop-pointers", "three-loops-descriptors", "one-loop-descriptors",
-                     "pipelined-descriptors", "through-ds"])
-def tile_form(request, fk, monkeypatch):
-    """Every pass in one form of its tile loop and of its streamed loads, whatever the launch table picks
-    (``one_loop``: the masked edge tiles and the unmasked middle as three loops, or one loop that tests each tile;
-    ``desc``: partner tiles through tensor descriptors where the batch is dense, else pointer loads; ``pipelined``:
-    the forward's loop computing the next tile's scores ahead; ``through-ds``: the backward through dS, where the batch
-    is dense and no sink needs the dQ pass, else the dQ pass). The one-loop forms also keep the dK/dV pass's loop
-    over a kv head's query heads with MHA (``group_loop``), the three-loop forms compile it out: both MHA kernels
-    run in every test that uses this fixture; likewise the forward's scheduling fence (``pv_fence``; on a GPU only,
-    the interpreter leaves it out). The pipelined forward holds two score tiles: on a GPU its tile runs
-    at two stages (at three, the H200's head-dim-128 tile of 128 x 128 does not fit in shared memory)."""
-    one_loop, desc, pipelined, from_ds = request.param
-    table_pick = fk._flash_attn.pick
+# (one_loop, desc, pipelined, from_ds) of ``tile_pick``, and their test ids.
+TILE_FORMS = [(False, False, False, False), (True, False, False, False), (False, True, False, False),
+              (True, True, False, False), (True, True, True, False), (True, True, False, True)]
+TILE_FORM_IDS = ["three-loops-pointers", "one-loop-pointers", "three-loops-descriptors", "one-loop-descriptors",
+                 "pipelined-descriptors", "through-ds"]
+
+
+def tile_pick(table_pick, form):
+    """A launch-table lookup that puts every pass in one form of its tile loop and of its streamed loads, whatever
+    ``table_pick`` (the table's own lookup) says (``one_loop``: the masked edge tiles and the unmasked middle as
+    three loops, or one loop that tests each tile; ``desc``: partner tiles through tensor descriptors where the batch
+    is dense, else pointer loads; ``pipelined``: the forward's loop computing the next tile's scores ahead;
+    ``from_ds``: the backward through dS, where the batch is dense and no sink needs the dQ pass, else the dQ pass).
+    The one-loop forms also keep the dK/dV pass's loop over a kv head's query heads with MHA (``group_loop``), the
+    three-loop forms compile it out; likewise the forward's scheduling fence (``pv_fence``; on a GPU only, the
+    interpreter leaves it out). The pipelined forward holds two score tiles: on a GPU its tile runs at two stages
+    (at three, the H200's head-dim-128 tile of 128 x 128 does not fit in shared memory)."""
+    one_loop, desc, pipelined, from_ds = form
 
     def pick(family, kind, device, head_dim):
         tile = {**table_pick(family, kind, device, head_dim), "one_loop": one_loop, "desc": desc,
@@ -130,7 +135,14 @@ def tile_form(request, fk, monkeypatch):
             tile["num_stages"] = min(tile["num_stages"], 2)
         return tile
 
-    monkeypatch.setattr(fk._flash_attn, "pick", pick)
+    return pick
+
+
+@pytest.fixture(params=TILE_FORMS, ids=TILE_FORM_IDS)
+def tile_form(request, fk, monkeypatch):
+    """Every pass in one tile form (``tile_pick``): both MHA kernels of the dK/dV pass run in every test that uses
+    this fixture."""
+    monkeypatch.setattr(fk._flash_attn, "pick", tile_pick(fk._flash_attn.pick, request.param))
     return request.param
 
 
@@ -181,6 +193,36 @@ def test_matches_reference(fk, poisoned_empty, case, dtype):
     torch.manual_seed(seq_q * 1000 + seq_k)
     q, k, v = make_qkv(batch, seq_q, seq_k, heads, kv_heads, dim, dtype)
     run_and_check(fk, q, k, v, **options)
+
+
+@settings(max_examples=12 if not ON_GPU else 30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_property_random_attention(fk, poisoned_empty, data):
+    """Random shapes (lengths on and off tile boundaries, GQA groups, head dims), masks (causal, windows, both),
+    soft caps, scales, sinks and tile forms, by the FA test rule."""
+    max_seq, max_dim = (600, 256) if ON_GPU else (70, 96)
+    batch = data.draw(st.integers(1, 2), label="batch")
+    seq_q = data.draw(st.integers(1, max_seq), label="seq_q")
+    seq_k = data.draw(st.integers(1, max_seq), label="seq_k")
+    kv_heads = data.draw(st.integers(1, 2), label="kv_heads")
+    heads = kv_heads * data.draw(st.integers(1, 3), label="group")
+    dim = 8 * data.draw(st.integers(1, max_dim // 8), label="dim / 8")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    options = {"causal": data.draw(st.booleans(), label="causal")}
+    if data.draw(st.booleans(), label="window"):
+        options["window"] = (data.draw(st.integers(-1, 40), label="left"), data.draw(st.integers(-1, 40), label="right"))
+    if data.draw(st.booleans(), label="softcap"):
+        options["softcap"] = data.draw(st.floats(1.0, 20.0), label="softcap value")
+    if data.draw(st.booleans(), label="scale"):
+        options["scale"] = data.draw(st.floats(0.02, 0.5), label="scale value")
+    with_sink = data.draw(st.booleans(), label="sink")
+    form = data.draw(st.sampled_from(TILE_FORMS), label="tile form")
+    torch.manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    q, k, v = make_qkv(batch, seq_q, seq_k, heads, kv_heads, dim, dtype)
+    sink = torch.randn(heads, device=DEVICE) if with_sink else None
+    with unittest.mock.patch.object(fk._flash_attn, "pick", tile_pick(fk._flash_attn.pick, form)):
+        run_and_check(fk, q, k, v, s_aux=sink, **options)
 
 
 @pytest.mark.usefixtures("tile_form")
