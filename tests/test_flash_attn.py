@@ -211,7 +211,8 @@ def test_property_random_attention(fk, poisoned_empty, data):
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     options = {"causal": data.draw(st.booleans(), label="causal")}
     if data.draw(st.booleans(), label="window"):
-        options["window"] = (data.draw(st.integers(-1, 40), label="left"), data.draw(st.integers(-1, 40), label="right"))
+        sides = st.integers(-1, 40)
+        options["window"] = (data.draw(sides, label="left"), data.draw(sides, label="right"))
     if data.draw(st.booleans(), label="softcap"):
         options["softcap"] = data.draw(st.floats(1.0, 20.0), label="softcap value")
     if data.draw(st.booleans(), label="scale"):
