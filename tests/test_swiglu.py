@@ -488,9 +488,9 @@ def test_mlp_layer_backward_peak_memory(fk):
     assert peak_extra <= bound, f"peak extra {peak_extra / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB"
 
 
-def saved_activation_bytes(forward, mlp, x):
-    """Bytes of the non-parameter tensors autograd keeps for the backward of ``forward(mlp, x)``."""
-    parameters = {p.data_ptr() for p in mlp.parameters()}
+def saved_activation_bytes(forward, module, x):
+    """Bytes of the non-parameter tensors autograd keeps for the backward of ``forward(module, x)``."""
+    parameters = {p.data_ptr() for p in module.parameters()}
     kept = {}
 
     def pack(t):
@@ -499,7 +499,7 @@ def saved_activation_bytes(forward, mlp, x):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward(mlp, leaf(x))
+        forward(module, leaf(x))
     return sum(kept.values())
 
 
@@ -526,21 +526,13 @@ def norm_then_mlp(fk, x, norm_weight, mlp, between=None):
 def test_mlp_after_our_norm_keeps_the_norm_input_instead_of_its_output(request, module):
     fk = request.getfixturevalue(module)
     tokens, hidden, intermediate = 64, 32, 96
-    mlp = mlp_modules(hidden, intermediate, False, torch.float32)
-    norm_weight = torch.nn.Parameter(torch.rand(hidden, device=DEVICE) + 0.5)
+    block = torch.nn.Module()  # the norm's weight beside the MLP, so that both count as parameters
+    block.mlp = mlp_modules(hidden, intermediate, False, torch.float32)
+    block.norm_weight = torch.nn.Parameter(torch.rand(hidden, device=DEVICE) + 0.5)
     x = torch.randn(tokens, hidden, device=DEVICE)
-    parameters = {p.data_ptr() for p in (*mlp.parameters(), norm_weight)}
-    kept = {}
-
-    def pack(t):
-        if t.data_ptr() not in parameters:
-            kept[t.data_ptr()] = t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        norm_then_mlp(fk, leaf(x), norm_weight, mlp)
+    kept = saved_activation_bytes(lambda b, i: norm_then_mlp(fk, i, b.norm_weight, b.mlp), block, x)
     # The norm's input and its fp32 statistics, then gate and up: not the norm's output.
-    assert sum(kept.values()) == 4 * tokens * (hidden + 1 + 2 * intermediate)
+    assert kept == 4 * tokens * (hidden + 1 + 2 * intermediate)
 
 
 @pytest.mark.parametrize("module", ["fk", "fk_cpu"])
