@@ -175,12 +175,18 @@ def _contiguous_last_dim(t):
 
 
 def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                  window_left, window_right, softcap, s_aux):
+                  window_left, window_right, softcap, s_aux, *, zero_seed=True):
     _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, window_left, window_right, s_aux)
     q, k, v = (_contiguous_last_dim(t) for t in (q, k, v))
     window = _window(causal, window_left, window_right)
-    seed = (torch.randint(-(2**62), 2**62, (1,), device=q.device, dtype=torch.int64) if dropout_p > 0
-            else torch.zeros(1, device=q.device, dtype=torch.int64))
+    if dropout_p > 0:
+        seed = torch.randint(-(2**62), 2**62, (1,), device=q.device, dtype=torch.int64)
+    elif zero_seed:
+        seed = torch.zeros(1, device=q.device, dtype=torch.int64)
+    else:
+        # Without dropout nothing reads the seed. The eager path leaves it unwritten: zeroing it is a kernel launch,
+        # ~30 us of host time per forward on the H200's host. The op zeros it: opcheck compares its outputs.
+        seed = torch.empty(1, device=q.device, dtype=torch.int64)
     if not _checks.runs_triton(q):
         out, lse = _torch_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, window, softcap, s_aux,
                                     seed)
@@ -323,14 +329,18 @@ class _EagerFlashAttn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, s_aux, options):
-        out, lse, seed = _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, **options, s_aux=s_aux)
+        out, lse, seed = _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, **options, s_aux=s_aux, zero_seed=False)
         ctx.save_for_backward(q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, s_aux)
         ctx.options = options
         ctx.mark_non_differentiable(lse, seed)
+        # lse and seed never receive gradients; materialised, they would be two zero fills per backward.
+        ctx.set_materialize_grads(False)
         return out, lse, seed
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dseed):
+        if dout is None:  # a consumer of out returned no gradient for it: zero gradients, as None tells autograd
+            return (None,) * 7
         q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, s_aux = ctx.saved_tensors
         dq, dk, dv, dsink = _backward_impl(dout, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, **ctx.options,
                                            s_aux=s_aux)
