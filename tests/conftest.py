@@ -40,6 +40,19 @@ def run_tool(*args: str, cwd: Path = REPO_ROOT, check: bool = True, env: dict | 
     return proc
 
 
+class GivesNoGradient(torch.autograd.Function):
+    """Sums its input, and its backward returns no gradient for it: downstream of an op's output, autograd then
+    calls the op's backward with None for that output (a test that the op handles it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.float().sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
 @pytest.fixture(scope="session")
 def build_dir(tmp_path_factory) -> Path:
     """All variants of the current source tree, built by the real builder."""

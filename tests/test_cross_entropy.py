@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, GivesNoGradient
 from numerics import assert_close_ratio, rel_err
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -322,6 +322,20 @@ def test_gradient_scaling_walks_every_block(fk, scale_value):
     want = x * scale_value
     fk._kernels.cross_entropy.scale_(x, scale, block=8, num_warps=1, num_programs=4)
     assert torch.equal(x, want)
+
+
+def test_z_loss_output_and_a_loss_without_gradient(fk):
+    """The returned z-loss gets no gradient (autograd hands None for it), and a consumer of the loss that gives it no
+    gradient leaves zero gradients: neither changes nor breaks the backward."""
+    logits, target = make_inputs(SHAPE, torch.float32)
+    x1, x2, x3 = leaf(logits), leaf(logits), leaf(logits)
+    fk.cross_entropy(x1, target, lse_square_scale=1e-3).backward()
+    loss, _ = fk.cross_entropy(x2, target, lse_square_scale=1e-3, return_z_loss=True)
+    loss.backward()
+    assert torch.equal(x2.grad, x1.grad)
+    other = torch.ones((), device=DEVICE, requires_grad=True)
+    (GivesNoGradient.apply(fk.cross_entropy(x3, target)) * other).backward()
+    assert (x3.grad is None or not x3.grad.any()) and other.grad is not None
 
 
 def test_second_backward_through_the_graph_is_refused(fk):

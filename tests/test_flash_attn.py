@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, GivesNoGradient
 
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
 
@@ -630,19 +630,9 @@ def test_eager_forward_backward_launches_only_attention_kernels(fk, shape):
 
 def test_backward_without_a_gradient_for_the_output(fk):
     """A consumer whose backward gives out no gradient: zero gradients for q, k and v, not an error."""
-
-    class NoGradient(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.float().sum()
-
-        @staticmethod
-        def backward(ctx, grad):
-            return None
-
     a = leaves(*make_qkv(1, 9, 9, 2, 2, 16, torch.float16))
     other = torch.ones((), device=DEVICE, requires_grad=True)
-    (NoGradient.apply(fk.flash_attn_func(*a, causal=True)) * other).backward()
+    (GivesNoGradient.apply(fk.flash_attn_func(*a, causal=True)) * other).backward()
     assert all(t.grad is None or not t.grad.any() for t in a)
     assert other.grad is not None
 

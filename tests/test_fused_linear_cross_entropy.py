@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import DEVICE, EXACT_BF16_ROUNDING, ON_GPU
+from conftest import DEVICE, EXACT_BF16_ROUNDING, ON_GPU, GivesNoGradient
 from numerics import assert_close_ratio, rel_err
 from test_cross_entropy import REDUCTIONS, baseline, leaf, reference_float64
 
@@ -375,6 +375,20 @@ def test_no_grad_forward_and_scaled_backward(fk):
     loss1.backward()
     (3 * fk.fused_linear_cross_entropy(h3, w3, target, chunk_tokens=CHUNK)).backward()
     assert rel_err(h3.grad, 3 * h1.grad) < 1e-6 and rel_err(w3.grad, 3 * w1.grad) < 1e-6
+
+
+def test_z_loss_output_and_a_loss_without_gradient(fk):
+    """As for cross_entropy: the z-loss output gets no gradient, and a loss whose consumer gives it none leaves zero
+    gradients."""
+    hidden, weight, _, target = make_inputs((4, 16, 300), torch.float32)
+    h1, w1, h2, w2, h3, w3 = (leaf(t) for t in (hidden, weight) * 3)
+    fk.fused_linear_cross_entropy(h1, w1, target, lse_square_scale=1e-3).backward()
+    loss, _ = fk.fused_linear_cross_entropy(h2, w2, target, lse_square_scale=1e-3, return_z_loss=True)
+    loss.backward()
+    assert torch.equal(h2.grad, h1.grad) and torch.equal(w2.grad, w1.grad)
+    other = torch.ones((), device=DEVICE, requires_grad=True)
+    (GivesNoGradient.apply(fk.fused_linear_cross_entropy(h3, w3, target)) * other).backward()
+    assert all(t.grad is None or not t.grad.any() for t in (h3, w3)) and other.grad is not None
 
 
 def test_second_backward_is_refused(fk):

@@ -462,10 +462,15 @@ class _EagerFusedLinearCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(hidden, weight, target, bias, class_weight)
         if z_loss is not None:
             ctx.mark_non_differentiable(z_loss)
+        # z_loss never receives a gradient; materialised, it would be a zero fill per backward.
+        ctx.set_materialize_grads(False)
         return loss, z_loss
 
     @staticmethod
     def backward(ctx, grad_loss, grad_z_loss):
+        if grad_loss is None:  # a consumer of the loss returned no gradient for it: zero gradients, as None says
+            ctx.forward_grads = None
+            return (None,) * 9
         if ctx.grad_in_forward:
             dh, dw, db = take_forward_grads(ctx, "fused_linear_cross_entropy", grad_loss)
         else:
