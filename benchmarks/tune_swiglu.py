@@ -5,6 +5,11 @@ backward kernel (SiLU, bf16, contiguous rows, about 64M elements per tensor: wel
 the fastest. The activations differ only in a few fp32 instructions per element, so one table serves all
 three. The result is data: the package reads it at run time and never autotunes.
 
+Every forward entry it writes sets ``one_row`` (``_one_row_launch`` in ``kernels_src/swiglu.py``): gapless rows whose
+width is not a multiple of the tile (11008, 14336) are then read as one long row. At the bucket widths timed here,
+powers of two and whole tiles, the two launches read the same memory in the same order, so the tuning cannot choose
+it; it was measured at the benchmark's widths instead.
+
     python benchmarks/tune_swiglu.py --build <variants dir> [--write torch-ext/fused_kernels/configs/swiglu.json]
                                      [--buckets 4096 16384]
 
@@ -63,7 +68,8 @@ def tune(kernel_module, n_cols):
 
 def to_entries(results, kernel):
     """Sorted table entries; the last bucket also serves every wider row."""
-    return [{"max_cols": None if i == len(results) - 1 else n_cols, **best[kernel][1]}
+    one_row = {"one_row": True} if kernel == "forward" else {}
+    return [{"max_cols": None if i == len(results) - 1 else n_cols, **best[kernel][1], **one_row}
             for i, (n_cols, best) in enumerate(results)]
 
 

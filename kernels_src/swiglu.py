@@ -143,7 +143,7 @@ def _gapless(layout, n_rows, n_cols):
             and (rows_inner >= n_rows or stride_outer == rows_inner * n_cols))
 
 
-def _one_row_launch(layouts, out_stride_row, n_rows, n_cols, block_rows, block_cols):
+def _one_row_launch(layouts, out_stride_row, n_rows, n_cols, block_rows, block_cols, one_row):
     """(layouts, out_stride_row, n_rows, n_cols, block_rows, block_cols) of the launch.
 
     Triton knows a row stride is a multiple of 16 elements, or nothing about it: rows of, say, 1000 or 3000
@@ -151,26 +151,33 @@ def _one_row_launch(layouts, out_stride_row, n_rows, n_cols, block_rows, block_c
     ``n_cols``), their rows are read as one long row instead, in tiles of as many elements as the launch table's:
     on the H200, 4096 x 3000 bf16 forward 26.9 -> 18.9 us, backward 38.8 -> 31.1, 4096 x 1000 forward 7.6 -> 4.9.
     Only when that row's length is a multiple of 16 too (its masked tail tile keeps whole vectors) and its column
-    index fits int32; rows that are multiples of 16 keep their launch (no gain measured in the forward at 11008 or
-    14336 columns, and 7% lost at 16384 x 11008 with 2048-element tiles)."""
+    index fits int32. Rows that are multiples of 16 keep their launch unless the entry sets ``one_row``: a row of
+    11008 elements is 5.4 tiles of 2048, and the last tile of every row runs mostly masked. H200 forward, bf16, CUDA
+    graphs, the H200 entry's tile (1 x 2048 on 8 warps) as one long row against row by row, medians of six timings
+    over three allocations (us): 1024 x 11008 16.9 against 17.5 (torch.compile 16.8), 4096 x 11008 63.6 against 67.6
+    (63.5), 16384 x 11008 247.5 against 278.1 (247.8; row by row it took 252-278 depending on where the tensors lay,
+    one long row 247-248, which is how a single earlier probe saw the opposite), 16384 x 14336 322.9 against 338.5
+    (Liger 324.9); level at 4096 x 4096, 16384 x 4096 and 16384 x 2560 with 1 x 1024 tiles on 2 warps (within 0.2 us),
+    4.9 against 5.4 at 1024 x 4096."""
     total = n_rows * n_cols
-    if (n_cols % 16 == 0 or total % 16 or total + block_rows * block_cols >= 2**31 or out_stride_row != n_cols
-            or not all(_gapless(layout, n_rows, n_cols) for layout in layouts)):
+    if ((n_cols % 16 == 0 and not one_row) or total % 16 or total + block_rows * block_cols >= 2**31
+            or out_stride_row != n_cols or not all(_gapless(layout, n_rows, n_cols) for layout in layouts)):
         return layouts, out_stride_row, n_rows, n_cols, block_rows, block_cols
     return [(1, 0, 0, 1)] * len(layouts), total, 1, total, 1, block_rows * block_cols
 
 
 def gated_forward(gate, gate_layout, up, up_layout, out, out_stride_row, n_rows, n_cols, activation, *,
-                  block_rows, block_cols, num_warps):
+                  block_rows, block_cols, num_warps, one_row=False):
     """Launch the forward: ``out[r, c] = act(gate[r, c]) * up[r, c]``.
 
     ``gate_layout``/``up_layout`` are ``(rows_inner, stride_outer, stride_inner, stride_col)`` with a common
-    ``rows_inner``; ``out`` has unit column stride and row stride ``out_stride_row``.
+    ``rows_inner``; ``out`` has unit column stride and row stride ``out_stride_row``. ``one_row``: see
+    ``_one_row_launch``.
     """
     if gate_layout[0] != up_layout[0]:
         raise ValueError("gate and up must share the row grouping (rows_inner)")
     (gate_layout, up_layout), out_stride_row, n_rows, n_cols, block_rows, block_cols = _one_row_launch(
-        (gate_layout, up_layout), out_stride_row, n_rows, n_cols, block_rows, block_cols)
+        (gate_layout, up_layout), out_stride_row, n_rows, n_cols, block_rows, block_cols, one_row)
     launch(_gated_forward_kernel, _grid(n_rows, n_cols, block_rows, block_cols),
            (gate, up, out), (n_rows, n_cols, gate_layout[0], *gate_layout[1:], *up_layout[1:], out_stride_row),
            dict(ACTIVATION=ACTIVATION_IDS[activation], BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols), num_warps)
@@ -184,7 +191,7 @@ def gated_backward(dout, dout_layout, gate, gate_layout, up, up_layout, d_gate, 
     if not dout_layout[0] == gate_layout[0] == up_layout[0]:
         raise ValueError("dout, gate and up must share the row grouping (rows_inner)")
     (dout_layout, gate_layout, up_layout), d_stride_row, n_rows, n_cols, block_rows, block_cols = _one_row_launch(
-        (dout_layout, gate_layout, up_layout), d_stride_row, n_rows, n_cols, block_rows, block_cols)
+        (dout_layout, gate_layout, up_layout), d_stride_row, n_rows, n_cols, block_rows, block_cols, False)
     launch(_gated_backward_kernel, _grid(n_rows, n_cols, block_rows, block_cols),
            (dout, gate, up, d_gate, d_up), (n_rows, n_cols, gate_layout[0], *dout_layout[1:], *gate_layout[1:],
             *up_layout[1:], d_stride_row),

@@ -75,7 +75,7 @@ _READ_KEYS = {
     ("cross_entropy", "constants"): {"block_cols", "num_warps"},
     ("cross_entropy", "scale"): {"block_cols", "num_warps", "programs_per_sm"},
     ("rope", "rope"): {"block_s", "block_h", "num_warps"},
-    ("swiglu", "forward"): {"block_rows", "block_cols", "num_warps"},
+    ("swiglu", "forward"): {"block_rows", "block_cols", "num_warps", "one_row"},
     ("swiglu", "backward"): {"block_rows", "block_cols", "num_warps"},
     ("flash_attn", "forward"): _FLASH_ATTN_TILE | {"pv_fence", "pipelined", "short"},
     ("flash_attn", "backward_dkdv"): _FLASH_ATTN_TILE | {"group_loop"},

@@ -32,11 +32,13 @@ ACTIVATIONS = {
 }
 
 # Widths covering one-tile rows, odd sizes and several column tiles of the device's launch table. Rows of a width that
-# is not a multiple of 16 with a total that is ((8, 512, 3000), (16, 300)) are launched as one long row when gapless.
+# is not a multiple of 16 with a total that is ((8, 512, 3000), (16, 300)) are launched as one long row when gapless,
+# and so, in the forward, are those whose width is ((1024, 14336), (2, 3, 11008), (64, 20000), (3, 5, 96)) where the
+# entry sets ``one_row``.
 if ON_GPU:
     SHAPES = [(4096, 4096), (3, 1000, 2048), (17, 8193), (1024, 14336), (2, 3, 11008), (64, 20000), (8, 512, 3000)]
 else:
-    SHAPES = [(5, 1), (3, 7), (2, 3, 64), (9, 300), (3, 515), (16, 300)]
+    SHAPES = [(5, 1), (3, 7), (2, 3, 64), (9, 300), (3, 515), (16, 300), (3, 5, 96)]
 
 
 # ----------------------------------------------------------------------------------------------------------
