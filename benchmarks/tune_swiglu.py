@@ -6,9 +6,10 @@ the fastest. The activations differ only in a few fp32 instructions per element,
 three. The result is data: the package reads it at run time and never autotunes.
 
 Every forward entry it writes sets ``one_row`` (``_one_row_launch`` in ``kernels_src/swiglu.py``): gapless rows whose
-width is not a multiple of the tile (11008, 14336) are then read as one long row. At the bucket widths timed here,
-powers of two and whole tiles, the two launches read the same memory in the same order, so the tuning cannot choose
-it; it was measured at the benchmark's widths instead.
+width is a multiple of 16 are then read as one long row too, so that a width that is not a multiple of the tile (11008
+in tiles of 2048) ends in no mostly masked tile. At the bucket widths timed here, powers of two and whole tiles, the two
+launches read the same memory in the same order, so the tuning cannot choose it; it was measured at the benchmark's
+widths instead.
 
     python benchmarks/tune_swiglu.py --build <variants dir> [--write torch-ext/fused_kernels/configs/swiglu.json]
                                      [--buckets 4096 16384]
