@@ -663,6 +663,14 @@ def test_bad_options_raise_clear_errors(fk):
         fk.flash_attn_func(q, k, v, softcap=-1.0)
     with pytest.raises(ValueError, match="window_size"):
         fk.flash_attn_func(q, k, v, window_size=(-2, 0))
+    with pytest.raises(ValueError, match=r"window_size\[1\] must be an int, got 0.5"):
+        fk.flash_attn_func(q, k, v, window_size=(-1, 0.5))
+    for name in ("softmax_scale", "dropout_p", "softcap"):
+        with pytest.raises(ValueError, match=f"{name} must be a number, got 'x'"):
+            fk.flash_attn_func(q, k, v, **{name: "x"})
+    for scale in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
+            fk.flash_attn_func(q, k, v, softmax_scale=scale)
     with pytest.raises(ValueError, match="s_aux"):
         fk.flash_attn_func(q, k, v, s_aux=torch.zeros(3, device=DEVICE))
     cu = torch.tensor([0, 8], device=DEVICE)

@@ -22,6 +22,7 @@ Not supported (``NotImplementedError``): ``alibi_slopes``, ``block_table`` (page
 """
 
 import math
+import operator
 
 import torch
 
@@ -46,7 +47,8 @@ MAX_HEAD_DIM = 256
 # Validation.
 # ----------------------------------------------------------------------------------------------------------
 
-def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, window_left, window_right, s_aux):
+def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, softcap, window_left, window_right,
+              s_aux):
     varlen = cu_seqlens_q is not None
     ndim = 3 if varlen else 4
     layout = "(total, heads, head_dim)" if varlen else "(batch, seq, heads, head_dim)"
@@ -79,6 +81,8 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, window_le
         raise ValueError(f"k and v must have q's batch size {q.shape[0]}, got {k.shape[0]}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale}")
     if not (math.isfinite(softcap) and softcap >= 0.0):
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
     if window_left < -1 or window_right < -1:
@@ -176,7 +180,8 @@ def _contiguous_last_dim(t):
 
 def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                   window_left, window_right, softcap, s_aux, *, zero_seed=True):
-    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, window_left, window_right, s_aux)
+    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, softcap, window_left, window_right,
+              s_aux)
     q, k, v = (_contiguous_last_dim(t) for t in (q, k, v))
     window = _window(causal, window_left, window_right)
     if dropout_p > 0:
@@ -277,7 +282,8 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
 @_forward_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
       window_left, window_right, softcap, s_aux):
-    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, window_left, window_right, s_aux)
+    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, softcap, window_left, window_right,
+              s_aux)
     return (q.new_empty(q.shape), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32),
             q.new_empty(1, dtype=torch.int64))
 
@@ -347,6 +353,27 @@ class _EagerFlashAttn(torch.autograd.Function):
         return dq, dk, dv, None, None, dsink, None
 
 
+def _number(name, value) -> float:
+    """A scalar option as a Python float; otherwise an error that names the option (``float()``'s does not). Plain
+    ints and floats, what callers pass, take the first branch, the only one torch.compile then traces."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def _integer(name, value) -> int:
+    """A window bound as a Python int; floats are refused rather than truncated (FlashAttention-2 takes ints)."""
+    if isinstance(value, int):
+        return int(value)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+
+
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                window_size, softcap, alibi_slopes, return_attn_probs, s_aux, block_table=None):
     if alibi_slopes is not None:
@@ -357,9 +384,12 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=float(dropout_p),
-                   softmax_scale=float(softmax_scale), causal=bool(causal), window_left=int(window_size[0]),
-                   window_right=int(window_size[1]), softcap=float(softcap))
+    else:
+        softmax_scale = _number("softmax_scale", softmax_scale)
+    options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=_number("dropout_p", dropout_p),
+                   softmax_scale=softmax_scale, causal=bool(causal),
+                   window_left=_integer("window_size[0]", window_size[0]),
+                   window_right=_integer("window_size[1]", window_size[1]), softcap=_number("softcap", softcap))
     if torch.compiler.is_compiling():
         out, lse, seed = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, **options, s_aux=s_aux)
     else:
