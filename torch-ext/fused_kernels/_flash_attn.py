@@ -435,7 +435,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None, s_aux=None):
     """Attention over packed sequences: ``q (total_q, heads, head_dim)``, ``k, v (total_k, kv_heads, head_dim)``,
     sequence b being rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32 offsets). ``max_seqlen_*``: ints, or 0-d
-    tensors (read on the host). Returns ``out``, or ``(out, softmax_lse (heads, total_q), mask or None)``."""
+    tensors (read on the host). Returns ``out``, or ``(out, softmax_lse (heads, total_q), mask or None)``.
+
+    As in FlashAttention-2, the offsets' values are not checked (that would need a host synchronisation): they must
+    start at 0, never decrease and end at most at total_q / total_k, and no sequence may be longer than its
+    ``max_seqlen`` (rows past it may be left at 0). Offsets past the rows make the kernels read and write past them."""
     del deterministic
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k are required by flash_attn_varlen_func")
