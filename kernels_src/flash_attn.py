@@ -58,13 +58,17 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _seq_bounds(cu_seqlens_ptr, batch, fixed_len, IS_VARLEN: tl.constexpr):
-    """(first row, length) of a batch element: from cu_seqlens (varlen) or the fixed dense length."""
+def _seq_bounds(cu_seqlens_ptr, batch, fixed_len, total, IS_VARLEN: tl.constexpr):
+    """(first row, length) of a batch element: from cu_seqlens (varlen) or the fixed dense length.
+
+    The offsets are not checked on the host (that would need a synchronisation), so a varlen sequence is clamped to
+    the ``total`` rows of the packed tensor: offsets past them, negative or decreasing ones give wrong rows, never an
+    access outside the tensors."""
     start = 0
     length = fixed_len
     if IS_VARLEN:
-        start = tl.load(cu_seqlens_ptr + batch)
-        length = tl.load(cu_seqlens_ptr + batch + 1) - start
+        start = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + batch), 0), total)
+        length = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + batch + 1), start), total) - start
     return start, length
 
 
@@ -307,8 +311,8 @@ def _scheduling_fence():
 @triton.jit
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seed_ptr,
-    fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, pairs_per_group, scale, softcap, window_left,
-    window_right, drop_threshold, keep_scale,
+    fixed_seqlen_q, fixed_seqlen_k, total_q, total_k, n_heads, group_size, head_dim, pairs_per_group, scale, softcap,
+    window_left, window_right, drop_threshold, keep_scale,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -338,8 +342,8 @@ def _fwd_kernel(
     batch = batch_head // n_heads
     head = batch_head % n_heads
     kv_head = head // group_size
-    q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, total_k, IS_VARLEN)
     if row_start >= seqlen_q:
         return
 
@@ -498,8 +502,8 @@ def _dq_tile(dq, p_dp, q, do, lse_log2, delta, rows, dims, col_start, k_ptr, v_p
 @triton.jit(do_not_specialize=["group_size", "first_pair"])
 def _bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seed_ptr,
-    ds_ptr, fixed_seqlen_q, fixed_seqlen_k, n_heads, n_kv_heads, group_size, head_dim, pairs_per_group, first_pair,
-    scale, softcap,
+    ds_ptr, fixed_seqlen_q, fixed_seqlen_k, total_q, total_k, n_heads, n_kv_heads, group_size, head_dim,
+    pairs_per_group, first_pair, scale, softcap,
     window_left, window_right, drop_threshold, keep_scale,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -525,8 +529,8 @@ def _bwd_dkdv_kernel(
     batch_kv_head = first_pair + launch_pair
     batch = batch_kv_head // n_kv_heads
     kv_head = batch_kv_head % n_kv_heads
-    q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, total_k, IS_VARLEN)
     if col_start >= seqlen_k:
         return
 
@@ -567,8 +571,8 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, sink_ptr, dsink_rows_ptr, cu_seqlens_q_ptr,
-    cu_seqlens_k_ptr, seed_ptr, fixed_seqlen_q, fixed_seqlen_k, n_heads, group_size, head_dim, pairs_per_group,
-    scale, softcap, window_left, window_right, drop_threshold, keep_scale,
+    cu_seqlens_k_ptr, seed_ptr, fixed_seqlen_q, fixed_seqlen_k, total_q, total_k, n_heads, group_size, head_dim,
+    pairs_per_group, scale, softcap, window_left, window_right, drop_threshold, keep_scale,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
@@ -584,8 +588,8 @@ def _bwd_dq_kernel(
     batch = batch_head // n_heads
     head = batch_head % n_heads
     kv_head = head // group_size
-    q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, total_k, IS_VARLEN)
     if row_start >= seqlen_q:
         return
 
@@ -686,14 +690,14 @@ def _bwd_dq_from_ds_kernel(
 
 @triton.jit
 def _dropout_mask_kernel(mask_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seed_ptr, fixed_seqlen_q, fixed_seqlen_k,
-                         n_heads, drop_threshold, max_seqlen_q, max_seqlen_k,
+                         total_q, total_k, n_heads, drop_threshold, max_seqlen_q, max_seqlen_k,
                          IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          FLAT_GRID: tl.constexpr):
     """The keep mask as a (batch, heads, max_seqlen_q, max_seqlen_k) bool tensor (for return_attn_probs)."""
     row_start, batch_head = _tile_of_head(max_seqlen_q, 1, BLOCK_M, FLAT_GRID, False, False)
     batch = batch_head // n_heads
-    _, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, IS_VARLEN)
-    _, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, IS_VARLEN)
+    _, seqlen_q = _seq_bounds(cu_seqlens_q_ptr, batch, fixed_seqlen_q, total_q, IS_VARLEN)
+    _, seqlen_k = _seq_bounds(cu_seqlens_k_ptr, batch, fixed_seqlen_k, total_k, IS_VARLEN)
     rows = row_start + tl.arange(0, BLOCK_M)
     base = mask_ptr + batch_head.to(tl.int64) * max_seqlen_q * max_seqlen_k
     for col_start in range(0, max_seqlen_k, BLOCK_N):
@@ -834,7 +838,7 @@ def flash_attn_forward(q, k, v, out, lse, sink, seed, cu_seqlens_q, cu_seqlens_k
         _fwd_kernel, grid,
         (q, k_arg, v_arg, out, lse, sink if sink is not None else lse, cu_seqlens_q if varlen else lse,
          cu_seqlens_k if varlen else lse, seed),
-        (seqlen_q, seqlen_k, n_heads, n_heads // n_kv_heads, head_dim,
+        (seqlen_q, seqlen_k, q.shape[1], k.shape[1], n_heads, n_heads // n_kv_heads, head_dim,
          pairs_per_group, scale, softcap, window[0], window[1], threshold, keep_scale,
          *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(out, varlen),
          *_lse_strides(lse, varlen)),
@@ -964,7 +968,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
         launch(
             _bwd_dkdv_kernel, grid,
             (q_arg, k, v, dout_arg, lse, delta, dk, dv, cu_q, cu_k, seed, ds_store if ds_store is not None else lse),
-            (seqlen_q, seqlen_k, n_heads, n_kv_heads, group_size, head_dim, pairs_per_group, first_pair,
+            (seqlen_q, seqlen_k, q.shape[1], k.shape[1], n_heads, n_kv_heads, group_size, head_dim, pairs_per_group,
+             first_pair,
              *shared, *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen), *_strides3(dout, varlen),
              *_strides3(dk, varlen), *_strides3(dv, varlen), *lse_strides),
             dict(**flags, BLOCK_M=dkdv_tile["block_m"], BLOCK_N=dkdv_tile["block_n"], BLOCK_D=block_d,
@@ -1005,7 +1010,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
         _bwd_dq_kernel, grid,
         (q, k_arg, v_arg, out, dout, lse, delta, dq, sink if sink is not None else lse,
          dsink_rows if dsink_rows is not None else lse, cu_q, cu_k, seed),
-        (seqlen_q, seqlen_k, n_heads, group_size,
+        (seqlen_q, seqlen_k, q.shape[1], k.shape[1], n_heads, group_size,
          head_dim, dq_pairs_per_group, *shared, *_strides3(q, varlen), *_strides3(k, varlen),
          *_strides3(v, varlen), *_strides3(out, varlen), *_strides3(dout, varlen), *_strides3(dq, varlen),
          *lse_strides),
@@ -1016,15 +1021,16 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
     dkdv_pass(0, n_kv_pairs, None)
 
 
-def dropout_keep_mask(mask, seed, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, dropout_p, *, block_m=32,
-                      block_n=32):
+def dropout_keep_mask(mask, seed, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, total_q, total_k, dropout_p, *,
+                      block_m=32, block_n=32):
     """Fill ``mask`` (bool, ``(batch, heads, seqlen_q, seqlen_k)``, max lengths for varlen) with the keep mask
-    the kernels apply (False outside each sequence)."""
+    the kernels apply (False outside each sequence). ``total_*``: the packed tensors' rows (varlen; see
+    ``_seq_bounds``)."""
     varlen = cu_seqlens_q is not None
     threshold, _ = _dropout_args(dropout_p)
     grid, flat = _tile_grid(cdiv(seqlen_q, block_m), mask.shape[0] * mask.shape[1])
     launch(
         _dropout_mask_kernel, grid,
         (mask, cu_seqlens_q if varlen else seed, cu_seqlens_k if varlen else seed, seed),
-        (seqlen_q, seqlen_k, mask.shape[1], threshold, seqlen_q, seqlen_k),
+        (seqlen_q, seqlen_k, total_q, total_k, mask.shape[1], threshold, seqlen_q, seqlen_k),
         dict(IS_VARLEN=varlen, BLOCK_M=block_m, BLOCK_N=block_n, FLAT_GRID=flat), 4)

@@ -317,6 +317,36 @@ def test_varlen_matches_per_sequence_reference(fk, poisoned_empty, causal):
     assert torch.isinf(lse[:, tail_q]).all()
 
 
+@pytest.mark.parametrize("bad, clamped", [([0, 5, 20], [0, 5, 9]), ([-3, 5, 9], [0, 5, 9])],
+                         ids=["past-the-rows", "negative"])
+def test_varlen_offsets_outside_the_rows_are_clamped(fk, bad, clamped):
+    """The offsets are not checked on the host (a synchronisation): the kernels clamp each sequence to the packed
+    rows, so offsets past them or below 0 give the results of the clamped offsets, and never an access outside the
+    tensors (which corrupted the CPU interpreter's heap before)."""
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(9, 2, 16, device=DEVICE, dtype=torch.float16) for _ in range(3))
+    dout = torch.randn_like(q)
+    results = []
+    for offsets in (bad, clamped):
+        cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+        a = leaves(q, k, v)
+        out = fk.flash_attn_varlen_func(*a, cu, cu, 16, 16, causal=True)
+        out.backward(dout)
+        results.append((out.detach(), *[t.grad for t in a]))
+    for ours, want in zip(*results):
+        assert torch.equal(ours, want)
+
+
+def test_decreasing_varlen_offsets_stay_inside_the_tensors(fk):
+    """Decreasing offsets make overlapping or empty sequences (wrong rows, as documented), but no out-of-bounds
+    access: the call returns finite values."""
+    q, k, v = leaves(*(torch.randn(9, 2, 16, device=DEVICE, dtype=torch.float16) for _ in range(3)))
+    cu = torch.tensor([0, 7, 4, 9], dtype=torch.int32, device=DEVICE)
+    out = fk.flash_attn_varlen_func(q, k, v, cu, cu, 16, 16)
+    out.backward(torch.ones_like(out))
+    assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
+
+
 def test_packed_variants_match_unpacked(fk):
     torch.manual_seed(7)
     q, k, v = make_qkv(2, 13, 13, 2, 2, 16, torch.float16)

@@ -408,8 +408,9 @@ def _dropout_mask(q, k, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     varlen = cu_seqlens_q is not None
     n_batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     mask = torch.empty((n_batch, q.shape[-2], max_seqlen_q, max_seqlen_k), device=q.device, dtype=torch.bool)
-    _triton_flash_attn.dropout_keep_mask(mask, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         float(dropout_p))
+    total_q, total_k = (q.shape[0], k.shape[0]) if varlen else (q.shape[1], k.shape[1])
+    _triton_flash_attn.dropout_keep_mask(mask, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
+                                         total_k, float(dropout_p))
     return mask
 
 
@@ -439,7 +440,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     As in FlashAttention-2, the offsets' values are not checked (that would need a host synchronisation): they must
     start at 0, never decrease and end at most at total_q / total_k, and no sequence may be longer than its
-    ``max_seqlen`` (rows past it may be left at 0). Offsets past the rows make the kernels read and write past them."""
+    ``max_seqlen`` (rows past it may be left at 0). Other offsets give wrong rows, but the kernels clamp each
+    sequence to the packed rows, so they never read or write outside the tensors."""
     del deterministic
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k are required by flash_attn_varlen_func")
