@@ -119,6 +119,31 @@ def test_rms_norm_tuner_keeps_untuned_buckets(monkeypatch):
     assert entries == [entry if entry["max_cols"] != 65536 else {"max_cols": 65536, **tuned} for entry in current]
 
 
+def test_swiglu_tuner_adds_a_small_call_entry_only_where_another_tile_wins(monkeypatch):
+    """tune_swiglu.py: a bucket gets a ``max_elements`` entry for small calls before its own only where the tile
+    fastest at SMALL_ELEMENTS beats the large calls' tile there by more than 2%, and only in the forward; the
+    package's lookup then picks each tile by the call's size."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import tune_swiglu
+    from launch_tables import package_launch_config
+
+    monkeypatch.setattr(tune_swiglu, "small_call_limit", lambda: 1000)
+    large, small = {"block_rows": 1, "block_cols": 2048, "num_warps": 8}, {"block_rows": 1, "block_cols": 2048,
+                                                                            "num_warps": 4}
+    timings = {("forward", tuple(large.items())): 1.0}
+    assert tune_swiglu.small_call_tile({"forward": (0.97, small), "timings": timings}, large) == small
+    assert tune_swiglu.small_call_tile({"forward": (0.99, small), "timings": timings}, large) is None
+    best = {"forward": (1.0, large), "backward": (1.0, large)}
+    results = [(4096, best, None), (8192, best, small)]
+    forward = tune_swiglu.to_entries(results, "forward")
+    assert forward == [{"max_cols": 4096, **large, "one_row": True},
+                       {"max_cols": None, "max_elements": 1000, **small, "one_row": True},
+                       {"max_cols": None, **large, "one_row": True}]
+    assert tune_swiglu.to_entries(results, "backward") == [{"max_cols": 4096, **large}, {"max_cols": None, **large}]
+    select = package_launch_config().select_entry
+    assert select(forward, 8192, 1000)["num_warps"] == 4 and select(forward, 8192, 1001)["num_warps"] == 8
+
+
 def test_rms_norm_tuner_keeps_the_least_worst_slowdown(monkeypatch):
     """tune_rms_norm.py times each candidate at every size of ELEMENTS and keeps the one whose largest ratio to the
     fastest time at any size is the least: here not the fastest at either size."""

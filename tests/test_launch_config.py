@@ -61,9 +61,32 @@ def test_the_architecture_fallback_names_a_tuned_gpu(fk):
             assert any(gpu in per_device for per_device in config._table(family).values()), (family, gpu)
 
 
-# What the launchers read from each kernel's entries (besides ``max_cols``, which selects the entry). The optional keys
-# are read with a default, so a misspelt one would be ignored without a word (a "max_granule_ratio" under another name
-# would switch its rule off): the tables may hold these keys only.
+def test_entries_are_chosen_by_row_length_then_by_call_size(fk):
+    config = fk._launch_config
+    entries = [{"max_cols": 64, "num_warps": 1},
+               {"max_cols": 4096, "max_elements": 1000, "num_warps": 2}, {"max_cols": 4096, "num_warps": 4},
+               {"max_cols": None, "max_elements": 10_000, "num_warps": 8}, {"max_cols": None, "num_warps": 16}]
+    cases = [((64, 10**9), 1), ((65, 1000), 2), ((4096, 1000), 2), ((4096, 1001), 4), ((4097, 10_000), 8),
+             ((4097, 10_001), 16), ((10**6, 1), 8), ((100, None), 4), ((10**6, None), 16)]
+    for (n_cols, n_elements), warps in cases:
+        assert config.select_entry(entries, n_cols, n_elements) == {"num_warps": warps}, (n_cols, n_elements)
+
+
+def test_an_entry_limited_by_size_is_followed_by_one_for_larger_calls(fk):
+    """A launcher that passes no size skips ``max_elements`` entries, and a larger call must find an entry too."""
+    config = fk._launch_config
+    for family in _families(fk):
+        for kernel, per_device in config._table(family).items():
+            for device, entries in per_device.items():
+                for i, entry in enumerate(entries):
+                    if "max_elements" in entry:
+                        assert any(later["max_cols"] == entry["max_cols"] and "max_elements" not in later
+                                   for later in entries[i + 1:]), (family, kernel, device, i)
+
+
+# What the launchers read from each kernel's entries (besides ``max_cols`` and ``max_elements``, which select the
+# entry). The optional keys are read with a default, so a misspelt one would be ignored without a word (a
+# "max_granule_ratio" under another name would switch its rule off): the tables may hold these keys only.
 _FLASH_ATTN_TILE = {"block_m", "block_n", "num_warps", "num_stages", "one_loop", "heavy_first", "desc",
                     "desc_min_flops", "without_desc"}
 _READ_KEYS = {
@@ -100,7 +123,8 @@ def test_launch_tables_hold_only_keys_the_launchers_read(fk):
         for device, entries in config._table(family)[kernel].items():
             for entry in entries:
                 where = (family, kernel, device, entry.get("max_cols"))
-                assert set(entry) - {"max_cols"} <= allowed, (where, set(entry) - {"max_cols"} - allowed)
+                keys = set(entry) - {"max_cols", "max_elements"}
+                assert keys <= allowed, (where, keys - allowed)
                 for key, nested in entry.items():
                     if key == "without_desc":
                         assert set(nested) <= switches, (where, key, set(nested) - switches)

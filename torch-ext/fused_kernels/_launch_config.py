@@ -7,8 +7,10 @@ regenerates the tables on a GPU.
 Table format: ``{kernel: {device name | "default" | "cpu": [entry, ...]}}``. A GPU without entries of its own
 uses those of the tuned GPU of its architecture (``_SAME_ARCHITECTURE``), else "default". Entries are sorted by
 ``max_cols``; the first entry whose ``max_cols`` is at least the row length is used, and the last entry
-(``max_cols`` null) covers every longer row. An entry without ``block_cols`` processes a whole row per block
-(``block_cols = next_power_of_2(n_cols)``).
+(``max_cols`` null) covers every longer row. An entry may also hold ``max_elements``: it then serves only calls of at
+most that many elements (launchers that pass ``n_elements``), and the next entry serves the larger ones; so an entry
+with ``max_elements`` is always followed by one for the same rows without it. An entry without ``block_cols``
+processes a whole row per block (``block_cols = next_power_of_2(n_cols)``).
 """
 
 import functools
@@ -60,27 +62,35 @@ def _index(device: torch.device) -> int:
     return device.index or 0
 
 
-def pick(family: str, kernel: str, device: torch.device, n_cols: int) -> dict:
-    """The launch parameters for ``kernel`` of ``family`` on ``device`` for rows of ``n_cols`` elements.
+def pick(family: str, kernel: str, device: torch.device, n_cols: int, n_elements: int | None = None) -> dict:
+    """The launch parameters for ``kernel`` of ``family`` on ``device`` for rows of ``n_cols`` elements, in a call
+    of ``n_elements`` elements in all (None: entries with ``max_elements`` are skipped).
 
     The returned dict is shared between calls: read it, never modify it."""
-    return _pick(family, kernel, device.type, _index(device), n_cols)
+    return _pick(family, kernel, device.type, _index(device), n_cols, n_elements)
 
 
-def select_entry(entries: list[dict], n_cols: int) -> dict:
-    """The launch parameters of the first of one device's ``entries`` that serves rows of ``n_cols`` elements (a new
-    dict, without ``max_cols``). ``benchmarks/register_report.py`` picks tiles through this too."""
-    entry = next((e for e in entries if e["max_cols"] is None or n_cols <= e["max_cols"]), entries[-1])
-    return {k: v for k, v in entry.items() if k != "max_cols"}
+def _serves(entry: dict, n_cols: int, n_elements: int | None) -> bool:
+    limit = entry.get("max_elements")
+    return ((entry["max_cols"] is None or n_cols <= entry["max_cols"])
+            and (limit is None or (n_elements is not None and n_elements <= limit)))
+
+
+def select_entry(entries: list[dict], n_cols: int, n_elements: int | None = None) -> dict:
+    """The launch parameters of the first of one device's ``entries`` that serves rows of ``n_cols`` elements in a
+    call of ``n_elements`` (a new dict, without ``max_cols`` and ``max_elements``). ``benchmarks/register_report.py``
+    picks tiles through this too."""
+    entry = next((e for e in entries if _serves(e, n_cols, n_elements)), entries[-1])
+    return {k: v for k, v in entry.items() if k not in ("max_cols", "max_elements")}
 
 
 @functools.lru_cache(maxsize=4096)
-def _pick(family: str, kernel: str, device_type: str, index: int, n_cols: int) -> dict:
+def _pick(family: str, kernel: str, device_type: str, index: int, n_cols: int, n_elements: int | None) -> dict:
     per_device = _table(family)[kernel]
     entries = (per_device.get(_device_name(device_type, index))
                or per_device.get(_SAME_ARCHITECTURE.get(_capability(device_type, index)))
                or per_device["default"])
-    config = select_entry(entries, n_cols)
+    config = select_entry(entries, n_cols, n_elements)
     config.setdefault("block_cols", 1 << max(0, (n_cols - 1).bit_length()))
     return config
 

@@ -107,7 +107,9 @@ def _triton_forward(gate, up, activation):
     if out.numel() == 0:
         return out
     (gate, up), (gate_layout, up_layout) = shared_row_layouts(gate, up)
-    config = pick(_CONFIG_FAMILY, "forward", out.device, n_cols)
+    # By the call's size too: below a few million elements (data the L2 cache holds) a tile of 16 elements per thread
+    # beat one of 8 by ~10% on the H200, above it lost by ~1% (benchmarks/results/h200/swiglu_tiles_by_size.txt).
+    config = pick(_CONFIG_FAMILY, "forward", out.device, n_cols, out.numel())
     _triton_swiglu.gated_forward(gate, gate_layout, up, up_layout, out, n_cols, out.numel() // n_cols, n_cols,
                                  activation, **config)
     return out
