@@ -14,7 +14,7 @@ widths instead.
 The forward is also timed at SMALL_ELEMENTS, a call whose tensors the L2 cache holds. Where another tile wins there by
 more than 2%, the bucket gets an entry for calls up to ``small_call_limit()`` elements (``max_elements``) before the
 one for larger calls (on the H200 a tile of 16 elements per thread against 8 for large calls: 3-6% faster at 3.5-4M
-elements with the cache flushed before each call, ~10% when the data stays in L2, level at 6M and ~1% slower beyond:
+elements with the cache flushed before each call, ~10% when the data stays in L2, level at 6-8M, ~1% slower beyond:
 results/h200/swiglu_tiles_by_size.txt).
 
     python benchmarks/tune_swiglu.py --build <variants dir> [--write torch-ext/fused_kernels/configs/swiglu.json]

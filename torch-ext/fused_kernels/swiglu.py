@@ -107,8 +107,8 @@ def _triton_forward(gate, up, activation):
     if out.numel() == 0:
         return out
     (gate, up), (gate_layout, up_layout) = shared_row_layouts(gate, up)
-    # By the call's size too: below a few million elements (data the L2 cache holds) a tile of 16 elements per thread
-    # beat one of 8 by ~10% on the H200, above it lost by ~1% (benchmarks/results/h200/swiglu_tiles_by_size.txt).
+    # By the call's size too: up to a few million elements (data the L2 cache can hold) a tile of 16 elements per
+    # thread beat one of 8 by 3-10% on the H200, above it lost by up to 1% (results/h200/swiglu_tiles_by_size.txt).
     config = pick(_CONFIG_FAMILY, "forward", out.device, n_cols, out.numel())
     _triton_swiglu.gated_forward(gate, gate_layout, up, up_layout, out, n_cols, out.numel() // n_cols, n_cols,
                                  activation, **config)
