@@ -104,8 +104,8 @@ def _check_inputs(q, k, cos, sin, position_ids, heads_dim):
     if cached:
         _checks.check_tensor("position_ids", position_ids, dtypes=POSITION_DTYPES, ndim=2)
         if position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq:
-            raise ValueError(f"position_ids must have shape ({batch}, {seq}) or (1, {seq}) to match q, "
-                             f"got {tuple(position_ids.shape)}")
+            shapes = f"({batch}, {seq})" + (f" or (1, {seq})" if batch != 1 else "")
+            raise ValueError(f"position_ids must have shape {shapes} to match q, got {tuple(position_ids.shape)}")
     elif cos.shape[0] not in (1, batch) or cos.shape[1] != seq:
         raise ValueError(f"cos must have shape ({batch} or 1, {seq}, rotary_dim) to match q, got {tuple(cos.shape)}")
     _checks.check_same_device("q", q, k=k, **{cos_name: cos, sin_name: sin}, position_ids=position_ids)
