@@ -34,7 +34,8 @@ ACTIVATIONS = {
 # Widths covering one-tile rows, odd sizes and several column tiles of the device's launch table. Rows of a width that
 # is not a multiple of 16 with a total that is ((8, 512, 3000), (16, 300)) are launched as one long row when gapless,
 # and so, in the forward, are those whose width is ((1024, 14336), (2, 3, 11008), (64, 20000), (3, 5, 96)) where the
-# entry sets ``one_row``.
+# entry sets ``one_row``. The forward's entries also go by the call's size (``max_elements``): the shapes reach every
+# forward entry of the device's table (test_the_shapes_reach_every_forward_entry).
 if ON_GPU:
     SHAPES = [(4096, 4096), (3, 1000, 2048), (17, 8193), (1024, 14336), (2, 3, 11008), (64, 20000), (8, 512, 3000)]
 else:
@@ -152,6 +153,20 @@ LAYOUTS = {
     "three_groups": lambda t: t.permute(2, 1, 0, 3).contiguous().permute(2, 1, 0, 3),
 }
 STRIDED_SHAPE = (4, 64, 8, 4096) if ON_GPU else (3, 4, 5, 200)
+
+
+def test_the_shapes_reach_both_sides_of_each_size_limit(fk):
+    """Where the device's forward entries go by the call's size (``max_elements``), SHAPES reach the entry for small
+    calls and the one for larger calls of the same rows, so test_matches_references runs both tiles."""
+    config = fk._launch_config
+    entries = config.device_entries("swiglu", "forward", torch.device(DEVICE))
+    reached = [config.select_entry(entries, shape[-1], math.prod(shape)) for shape in SHAPES]
+    limited = [i for i, entry in enumerate(entries) if "max_elements" in entry]
+    for i in limited:
+        larger = next(j for j in range(i + 1, len(entries))
+                      if entries[j]["max_cols"] == entries[i]["max_cols"] and "max_elements" not in entries[j])
+        for side in (i, larger):
+            assert config.select_entry([entries[side]], 1, 1) in reached, entries[side]
 
 
 @pytest.mark.parametrize("gate_layout, up_layout", [

@@ -8,9 +8,9 @@ Table format: ``{kernel: {device name | "default" | "cpu": [entry, ...]}}``. A G
 uses those of the tuned GPU of its architecture (``_SAME_ARCHITECTURE``), else "default". Entries are sorted by
 ``max_cols``; the first entry whose ``max_cols`` is at least the row length is used, and the last entry
 (``max_cols`` null) covers every longer row. An entry may also hold ``max_elements``: it then serves only calls of at
-most that many elements (launchers that pass ``n_elements``), and the next entry serves the larger ones; so an entry
-with ``max_elements`` is always followed by one for the same rows without it. An entry without ``block_cols``
-processes a whole row per block (``block_cols = next_power_of_2(n_cols)``).
+most that many elements (launchers that pass ``n_elements``), and a later entry for the same rows without it serves
+the larger calls. An entry without ``block_cols`` processes a whole row per block
+(``block_cols = next_power_of_2(n_cols)``).
 """
 
 import functools
@@ -84,13 +84,22 @@ def select_entry(entries: list[dict], n_cols: int, n_elements: int | None = None
     return {k: v for k, v in entry.items() if k not in ("max_cols", "max_elements")}
 
 
+def device_entries(family: str, kernel: str, device: torch.device) -> list[dict]:
+    """The entries ``pick`` chooses from on ``device``: its own, else its architecture's tuned GPU's, else the
+    defaults."""
+    return _device_entries(family, kernel, device.type, _index(device))
+
+
+def _device_entries(family: str, kernel: str, device_type: str, index: int) -> list[dict]:
+    per_device = _table(family)[kernel]
+    return (per_device.get(_device_name(device_type, index))
+            or per_device.get(_SAME_ARCHITECTURE.get(_capability(device_type, index)))
+            or per_device["default"])
+
+
 @functools.lru_cache(maxsize=4096)
 def _pick(family: str, kernel: str, device_type: str, index: int, n_cols: int, n_elements: int | None) -> dict:
-    per_device = _table(family)[kernel]
-    entries = (per_device.get(_device_name(device_type, index))
-               or per_device.get(_SAME_ARCHITECTURE.get(_capability(device_type, index)))
-               or per_device["default"])
-    config = select_entry(entries, n_cols, n_elements)
+    config = select_entry(_device_entries(family, kernel, device_type, index), n_cols, n_elements)
     config.setdefault("block_cols", 1 << max(0, (n_cols - 1).bit_length()))
     return config
 
