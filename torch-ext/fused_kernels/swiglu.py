@@ -104,13 +104,14 @@ def _triton_forward(gate, up, activation):
     n_cols = gate.shape[-1]
     # empty_like: a third of the host time of torch.empty(shape, device=..., dtype=...).
     out = torch.empty_like(gate, memory_format=torch.contiguous_format)
-    if out.numel() == 0:
+    n_elements = out.numel()
+    if n_elements == 0:
         return out
     (gate, up), (gate_layout, up_layout) = shared_row_layouts(gate, up)
     # By the call's size too: up to a few million elements (data the L2 cache can hold) a tile of 16 elements per
     # thread beat one of 8 by 3-10% on the H200, above it lost by up to 1% (results/h200/swiglu_tiles_by_size.txt).
-    config = pick(_CONFIG_FAMILY, "forward", out.device, n_cols, out.numel())
-    _triton_swiglu.gated_forward(gate, gate_layout, up, up_layout, out, n_cols, out.numel() // n_cols, n_cols,
+    config = pick(_CONFIG_FAMILY, "forward", out.device, n_cols, n_elements)
+    _triton_swiglu.gated_forward(gate, gate_layout, up, up_layout, out, n_cols, n_elements // n_cols, n_cols,
                                  activation, **config)
     return out
 
