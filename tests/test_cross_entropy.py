@@ -293,6 +293,23 @@ def test_inplace_backward_overwrites_logits_only_when_asked(fk, reduction):
     assert torch.equal(x.grad, x0.grad)
 
 
+def test_inplace_backward_with_expanded_logits_uses_a_new_buffer(fk):
+    """Expanded logits (every row one memory location) cannot hold each row's gradient: with inplace_backward the
+    gradient still goes to a buffer of its own, and the expanded row keeps its values."""
+    torch.manual_seed(8)
+    logits, _ = make_inputs((1, 300), torch.float32)
+    target = torch.randint(0, 300, (5,), device=DEVICE)
+    row = leaf(logits)
+    before = logits.clone()
+    loss = fk.cross_entropy(row.expand(5, 300), target, reduction="sum", inplace_backward=True)
+    loss.backward()
+    assert torch.equal(row.detach(), before)
+    row64 = leaf(logits.double())
+    ref_loss, _ = reference_float64(row64.expand(5, 300), target, reduction="sum")
+    ref_loss.backward()
+    assert rel_err(loss, ref_loss) < 1e-6 and rel_err(row.grad, row64.grad) < 1e-5
+
+
 def test_inplace_backward_is_visible_to_autograd(fk):
     """An op that saved the logits for its own backward raises instead of silently using the gradient."""
     logits, target = make_inputs((4, 300), torch.float32)

@@ -358,6 +358,29 @@ def test_inplace_gradients(fk, convention):
     check_against_references(fk, q, k, cos, sin, 1, interleaved, inplace=True)
 
 
+def test_inplace_refuses_elements_that_share_memory(fk):
+    """In place, an element that shares memory with another would be rotated twice: expanded q or k, k the same
+    memory as q, and two gapless tensors that overlap are refused before anything is written; out of place the
+    same inputs are fine."""
+    batch, seq, heads, head_dim = 2, 3, 2, 8
+    q, k = make_qk(batch, seq, heads, heads, head_dim, torch.float32, transposed=False)
+    cos, sin = angle_tables(1, seq, head_dim, False, torch.float32)
+    flat = torch.randn(q.numel() + head_dim, device=DEVICE)
+    overlapping = flat[:q.numel()].view(q.shape), flat[head_dim:].view(q.shape)
+    cases = [((q[:1].expand_as(q), k), "q is written in place, but elements of it share memory"),
+             ((q, k[:, :1].expand_as(k)), "k is written in place, but elements of it share memory"),
+             ((q, q), "q and k are written in place but share memory"),
+             (overlapping, "q and k are written in place but share memory")]
+    for (q_in, k_in), message in cases:
+        q_before, k_before = q_in.clone(), k_in.clone()
+        with pytest.raises(ValueError, match=message):
+            fk.apply_rotary_pos_emb(q_in, k_in, cos, sin, inplace=True)
+        assert torch.equal(q_in, q_before) and torch.equal(k_in, k_before)
+        q_out, k_out = fk.apply_rotary_pos_emb(q_in, k_in, cos, sin)
+        expected_q, expected_k = fk.apply_rotary_pos_emb(q_before, k_before, cos, sin)
+        assert torch.equal(q_out, expected_q) and torch.equal(k_out, expected_k)
+
+
 def test_inplace_on_a_leaf_that_requires_grad_is_refused(fk):
     q, k = (leaf(t) for t in make_qk(1, 3, 2, 1, 8, torch.float32))
     cos, sin = angle_tables(1, 3, 8, False, torch.float32)

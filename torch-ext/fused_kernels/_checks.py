@@ -43,6 +43,39 @@ def check_eps(eps):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
 
 
+def shares_elements(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` are one memory location: a dimension of size > 1 with stride 0, as ``expand``
+    makes (what torch's own in-place ops refuse as "more than one element ... refers to a single memory
+    location")."""
+    strides = t.stride()
+    return 0 in strides and any(size > 1 and stride == 0 for size, stride in zip(t.shape, strides))
+
+
+def check_writable_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor):
+    """For an op that writes ``a`` and ``b`` in place, each element once: no element may share memory with another,
+    within either tensor or across the two. Across them it is refused where an overlap is certain (the same first
+    element, or two gapless tensors whose extents meet); strided views interleaved in one buffer, such as q and k
+    of a fused QKV projection, pass, as in torch's own overlap checks."""
+    for name, t in ((name_a, a), (name_b, b)):
+        if shares_elements(t):
+            raise ValueError(f"{name} is written in place, but elements of it share memory (shape {tuple(t.shape)}, "
+                             f"strides {t.stride()}: stride 0, as from expand()); pass {name}.clone()")
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.numel() == 0 or b.numel() == 0:
+        return
+    (a_start, a_end, a_gapless), (b_start, b_end, b_gapless) = _extent(a), _extent(b)
+    if a_start == b_start or (a_gapless and b_gapless and a_start < b_end and b_start < a_end):
+        raise ValueError(f"{name_a} and {name_b} are written in place but share memory; pass separate tensors")
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int, bool]:
+    """(first byte, byte past the last element, whether the elements fill that range) of a non-empty tensor."""
+    span = 1
+    for size, stride in zip(t.shape, t.stride()):
+        span += (size - 1) * stride
+    start = t.data_ptr()
+    return start, start + span * t.element_size(), span == t.numel()
+
+
 def check_choice(name: str, value, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")

@@ -21,7 +21,8 @@ most head_dim; the columns from R on pass through unchanged (partial rotary).
 
 Math in fp32, outputs in the input dtype. The backward is the inverse rotation of the incoming gradients;
 cos/sin get no gradient. Out of place by default: inputs are never written. With ``inplace=True`` q and k
-are rotated in place and returned (their partial-rotary tail is untouched); autograd sees the mutation.
+are rotated in place and returned (their partial-rotary tail is untouched); autograd sees the mutation. In place,
+no element may share memory with another (``_checks.check_writable_pair``): it would be rotated twice.
 
 CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernel; otherwise a plain
 PyTorch implementation with the same numerics runs, which is what the ``torch-cpu`` variant uses.
@@ -206,6 +207,9 @@ def _forward(q, k, cos, sin, position_ids, heads_dim, interleaved, inverse):
 
 def _forward_inplace(q, k, cos, sin, position_ids, heads_dim, interleaved):
     _validate(q, k, cos, sin, position_ids, heads_dim)
+    # Not in _validate, whose result is cached by shape: the strides decide this. A shared element would be
+    # rotated twice (expanded q, or k the same tensor as q), silently.
+    _checks.check_writable_pair("q", q, "k", k)
     _rotate_into(q, k, q, k, cos, sin, position_ids, heads_dim, interleaved, False)
 # ----------------------------------------------------------------------------------------------------------
 # Ops (what torch.compile, export and opcheck see).
@@ -325,7 +329,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
             the rest pass through.
         unsqueeze_dim: where transformers would insert the heads dimension into cos/sin: 1 or 2 (above).
         interleaved: rotate pairs (2i, 2i + 1) (GPT-J) instead of (i, i + rotary_dim/2) (``rotate_half``).
-        inplace: rotate q and k in place and return them (the tail beyond rotary_dim is left as it is).
+        inplace: rotate q and k in place and return them (the tail beyond rotary_dim is left as it is); q and k
+            whose elements share memory (expanded ones, or k the same memory as q) are refused.
 
     Differentiable in q and k (cos and sin get no gradient).
     """
