@@ -310,6 +310,21 @@ def test_inplace_backward_with_expanded_logits_uses_a_new_buffer(fk):
     assert rel_err(loss, ref_loss) < 1e-6 and rel_err(row.grad, row64.grad) < 1e-5
 
 
+@pytest.mark.parametrize("view", [False, True])
+def test_inplace_backward_never_overwrites_a_leaf_that_requires_grad(fk, view):
+    """A leaf that requires grad (a parameter), or a view of one, keeps its values: the gradient gets a buffer of its
+    own, as torch's in-place ops would refuse to write there."""
+    torch.manual_seed(9)
+    logits, target = make_inputs((6, 300), torch.float32)
+    x = leaf(logits)
+    loss = fk.cross_entropy(x[1:] if view else x, target[1:] if view else target, inplace_backward=True)
+    loss.backward()
+    assert torch.equal(x.detach(), logits)
+    x64 = leaf(logits.double())
+    reference_float64(x64[1:] if view else x64, target[1:] if view else target)[0].backward()
+    assert rel_err(x.grad, x64.grad) < 1e-5
+
+
 def test_inplace_backward_is_visible_to_autograd(fk):
     """An op that saved the logits for its own backward raises instead of silently using the gradient."""
     logits, target = make_inputs((4, 300), torch.float32)

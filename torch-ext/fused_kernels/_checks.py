@@ -51,6 +51,13 @@ def shares_elements(t: torch.Tensor) -> bool:
     return 0 in strides and any(size > 1 and stride == 0 for size, stride in zip(t.shape, strides))
 
 
+def overwrites_grad_leaf(t: torch.Tensor) -> bool:
+    """Whether writing into ``t`` would overwrite a leaf that requires grad (``t`` itself, or the tensor it is a view
+    of): a parameter, whose values its other users still need; torch's in-place ops refuse it."""
+    base = t if t._base is None else t._base
+    return base.requires_grad and base.is_leaf
+
+
 def check_writable_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor):
     """For an op that writes ``a`` and ``b`` in place, each element once: no element may share memory with another,
     within either tensor or across the two. Across them it is refused where an overlap is certain (the same first

@@ -242,10 +242,17 @@ def reduce_rows(rows: torch.Tensor, opts: LossOptions, shape) -> torch.Tensor:
 # Forward and backward.
 # ----------------------------------------------------------------------------------------------------------
 
+def _can_hold_gradient(logits, logits2d) -> bool:
+    """Whether the gradient may overwrite the caller's logits (``logits2d``: their rows) when inplace_backward allows
+    it: unit column stride, no two elements in one memory location (expanded logits would take every row's gradient
+    in the same memory), and not the memory of a leaf that requires grad (a parameter would become its gradient)."""
+    return (logits2d.stride(1) == 1 and not _checks.shares_elements(logits2d)
+            and not _checks.overwrites_grad_leaf(logits))
+
+
 def _forward(logits, target, weight, opts, return_z_loss, grad_in_forward, inplace):
     """(loss, z_loss or None, row_stats, constants, dlogits or None): dlogits when ``grad_in_forward`` (reduction mean
-    or sum), written into the logits when ``inplace`` and their layout allows it: unit column stride, and no two
-    elements in one memory location (expanded logits would take every row's gradient in the same memory)."""
+    or sum), written into the logits when ``inplace`` and they can hold it (``_can_hold_gradient``)."""
     _validate(logits, target, weight, opts)
     n_classes = logits.shape[-1]
     logits2d, target1d = logits.reshape(-1, n_classes), target.reshape(-1).contiguous()
@@ -257,7 +264,7 @@ def _forward(logits, target, weight, opts, return_z_loss, grad_in_forward, inpla
     row_stats = new_row_stats(n_rows, logits.device)
     dlogits = None
     if grad_in_forward:
-        if inplace and logits2d.stride(1) == 1 and not _checks.shares_elements(logits2d):
+        if inplace and _can_hold_gradient(logits, logits2d):
             dlogits = logits2d
         else:
             dlogits = torch.empty((n_rows, n_classes), device=logits.device, dtype=logits.dtype)
@@ -398,7 +405,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
         return_z_loss: also return the z-loss part of the loss (reduced the same way, not differentiable).
         inplace_backward: allow the gradient to overwrite ``logits`` (saves one logits-sized buffer; eager mode,
             reductions mean/sum, logits with unit column stride whose elements do not share memory, as expanded
-            ones do; ignored otherwise and under ``torch.compile``).
+            ones do, and that are not a leaf requiring grad or a view of one; ignored otherwise and under
+            ``torch.compile``).
 
     Returns the fp32 loss, or ``(loss, z_loss)`` with ``return_z_loss``. Differentiable in ``logits``.
     """
