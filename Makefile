@@ -27,8 +27,11 @@ check: setup
 
 # On a CPU machine tests/conftest.py turns on TRITON_INTERPRET, so the Triton kernels run in the interpreter.
 # pytest exits 5 when it collected no test; that is a failure here like any other non-zero status.
+# Two pytest-xdist workers: under the interpreter the suite is bound by Python on one core, and CI's machine has two
+# (the whole suite on a 2-core machine: 493 s in one process, 347 s on two workers). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 test: setup
-	$(VPY) -m pytest -q tests; status=$$?; \
+	$(VPY) -m pytest -q -n $(PYTEST_WORKERS) tests; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$status
 
 # On a GPU machine, with its system python3 (no .venv).

@@ -146,15 +146,44 @@ def tile_form(request, fk, monkeypatch):
     return request.param
 
 
-def run_and_check(fk, q, k, v, *, s_aux=None, **options):
-    """Our output and gradients against the float32 and input-dtype references, by the FA test rule."""
+# Memory layouts of a (..., rows, heads, head_dim) input besides the contiguous one (``strided_view``).
+LAYOUTS = ("contiguous", "heads_of_a_wider_tensor", "head_major", "every_other_row", "dims_of_a_wider_tensor")
+
+
+def strided_view(t, layout):
+    """A view with the values of ``t`` in one of LAYOUTS: heads sliced out of a tensor with more heads, the
+    (heads, rows) storage order transformers' transposes give, every other row of a buffer, or the first head_dim
+    columns of wider rows. The rest of each buffer is NaN, so a read outside the view shows in the results."""
+    rows, heads, dim = t.shape[-3:]
+    lead = t.shape[:-3]
+    if layout == "contiguous":
+        return t
+    if layout == "head_major":
+        return t.transpose(-3, -2).contiguous().transpose(-3, -2)
+    shape = {"heads_of_a_wider_tensor": (*lead, rows, heads + 3, dim),
+             "every_other_row": (*lead, 2 * rows, heads, dim),
+             "dims_of_a_wider_tensor": (*lead, rows, heads, dim + 8)}[layout]
+    buffer = torch.full(shape, float("nan"), device=t.device, dtype=t.dtype)
+    view = {"heads_of_a_wider_tensor": lambda b: b[..., 1:1 + heads, :],
+            "every_other_row": lambda b: b[..., 1::2, :, :],
+            "dims_of_a_wider_tensor": lambda b: b[..., :dim]}[layout](buffer)
+    view.copy_(t)
+    return view
+
+
+def run_and_check(fk, q, k, v, *, s_aux=None, layouts=("contiguous",) * 3, **options):
+    """Our output and gradients against the float32 and input-dtype references, by the FA test rule; ours reads
+    q, k and v in ``layouts`` (see ``strided_view``)."""
     dout = torch.randn_like(q)
     grads = {}
     outs = {}
     for name, fn in (("ours", lambda *a, **kw: fk.flash_attn_func(*a, **kw)),
                      ("ref", lambda *a, **kw: reference(*a, **kw, upcast=True)),
                      ("pt", lambda *a, **kw: reference(*a, **kw, upcast=False))):
-        args = reference_leaves(name == "ref", q, k, v)
+        if name == "ours":
+            args = [strided_view(t.detach(), layout).requires_grad_() for t, layout in zip((q, k, v), layouts)]
+        else:
+            args = reference_leaves(name == "ref", q, k, v)
         sink = s_aux.detach().clone().requires_grad_() if s_aux is not None else None
         extra = dict(options)
         if name == "ours":
@@ -200,7 +229,7 @@ def test_matches_reference(fk, poisoned_empty, case, dtype):
 @given(data=st.data())
 def test_property_random_attention(fk, poisoned_empty, data):
     """Random shapes (lengths on and off tile boundaries, GQA groups, head dims), masks (causal, windows, both),
-    soft caps, scales, sinks and tile forms, by the FA test rule."""
+    soft caps, scales, sinks, memory layouts of q, k and v, and tile forms, by the FA test rule."""
     max_seq, max_dim = (600, 256) if ON_GPU else (70, 96)
     batch = data.draw(st.integers(1, 2), label="batch")
     seq_q = data.draw(st.integers(1, max_seq), label="seq_q")
@@ -218,12 +247,13 @@ def test_property_random_attention(fk, poisoned_empty, data):
     if data.draw(st.booleans(), label="scale"):
         options["scale"] = data.draw(st.floats(0.02, 0.5), label="scale value")
     with_sink = data.draw(st.booleans(), label="sink")
+    layouts = tuple(data.draw(st.sampled_from(LAYOUTS), label=f"{name} layout") for name in "qkv")
     form = data.draw(st.sampled_from(TILE_FORMS), label="tile form")
     torch.manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     q, k, v = make_qkv(batch, seq_q, seq_k, heads, kv_heads, dim, dtype)
     sink = torch.randn(heads, device=DEVICE) if with_sink else None
     with unittest.mock.patch.object(fk._flash_attn, "pick", tile_pick(fk._flash_attn.pick, form)):
-        run_and_check(fk, q, k, v, s_aux=sink, **options)
+        run_and_check(fk, q, k, v, s_aux=sink, layouts=layouts, **options)
 
 
 @pytest.mark.usefixtures("tile_form")
@@ -315,6 +345,67 @@ def test_varlen_matches_per_sequence_reference(fk, poisoned_empty, causal):
     for t in (out.detach()[tail_q], q.grad[tail_q], k.grad[tail_k], v.grad[tail_k]):
         assert torch.equal(t, torch.zeros_like(t))
     assert torch.isinf(lse[:, tail_q]).all()
+
+
+@settings(max_examples=8 if not ON_GPU else 30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_property_random_varlen(fk, poisoned_empty, data):
+    """Random packed batches: sequence lengths from 0 (on and off tile boundaries), q and k lengths equal (self
+    attention) or not, GQA groups, head dims, masks, soft caps, scales, sinks, memory layouts, max_seqlen above the
+    longest sequence, rows past cu_seqlens[-1], and tile forms; each sequence by the FA test rule against the dense
+    reference of its own rows, the rows past the last offset 0 with zero gradients, and the inputs unchanged."""
+    max_len, max_dim = (300, 256) if ON_GPU else (40, 64)
+    n_seqs = data.draw(st.integers(1, 4), label="sequences")
+    lengths = st.lists(st.integers(0, max_len), min_size=n_seqs, max_size=n_seqs)
+    lengths_q = data.draw(lengths, label="q lengths")
+    lengths_k = lengths_q if data.draw(st.booleans(), label="k lengths = q lengths") else data.draw(
+        lengths, label="k lengths")
+    kv_heads = data.draw(st.integers(1, 2), label="kv_heads")
+    heads = kv_heads * data.draw(st.integers(1, 3), label="group")
+    dim = 8 * data.draw(st.integers(1, max_dim // 8), label="dim / 8")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    causal = data.draw(st.booleans(), label="causal")
+    window = (data.draw(st.integers(-1, 40), label="left"), data.draw(st.integers(-1, 40), label="right")) if (
+        data.draw(st.booleans(), label="window")) else (-1, -1)
+    softcap = data.draw(st.floats(1.0, 20.0), label="softcap") if data.draw(st.booleans(), label="capped") else 0.0
+    scale = data.draw(st.floats(0.02, 0.5), label="scale") if data.draw(st.booleans(), label="scaled") else None
+    with_sink = data.draw(st.booleans(), label="sink")
+    layouts = [data.draw(st.sampled_from(LAYOUTS), label=f"{name} layout") for name in "qkv"]
+    slack_q, slack_k = (data.draw(st.integers(0, 5), label=f"max_seqlen_{n} slack") for n in "qk")
+    tail = data.draw(st.integers(0, 3), label="rows past the last offset")
+    form = data.draw(st.sampled_from(TILE_FORMS), label="tile form")
+    torch.manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+
+    q, k, v, cu_q, cu_k = _varlen_case(lengths_q, lengths_k, heads, kv_heads, dim, dtype, tail=tail)
+    sink = torch.randn(heads, device=DEVICE) if with_sink else None
+    originals = [t.clone() for t in (q, k, v)]
+    ours = [strided_view(t, layout).requires_grad_() for t, layout in zip((q, k, v), layouts)]
+    with unittest.mock.patch.object(fk._flash_attn, "pick", tile_pick(fk._flash_attn.pick, form)):
+        out = fk.flash_attn_varlen_func(*ours, cu_q, cu_k, max(lengths_q) + slack_q, max(lengths_k) + slack_k,
+                                        softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                                        s_aux=sink)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+    out, (dq, dk, dv) = out.detach(), (t.grad for t in ours)
+    for t, original in zip(ours, originals):
+        assert torch.equal(t.detach(), original)
+    options = dict(causal=causal, window=window, softcap=softcap, scale=scale)
+    for b in range(n_seqs):
+        rows_q = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rows_k = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        results = {}
+        for upcast in (True, False):
+            a = reference_leaves(upcast, q[rows_q][None], k[rows_k][None], v[rows_k][None])
+            ref = reference(*a, s_aux=sink, upcast=upcast, **options)
+            ref.backward(dout[rows_q][None].to(ref.dtype))
+            results[upcast] = (ref.detach(), *[t.grad for t in a])
+        for index, (name, value) in enumerate(zip(("out", "dq", "dk", "dv"),
+                                                  (out[rows_q], dq[rows_q], dk[rows_k], dv[rows_k]))):
+            check_rule(f"sequence {b} {name}", value[None], results[False][index], results[True][index],
+                       2 if index == 0 else 3)
+    for t in (out[int(cu_q[-1]):], dq[int(cu_q[-1]):], dk[int(cu_k[-1]):], dv[int(cu_k[-1]):]):
+        assert torch.equal(t, torch.zeros_like(t))
 
 
 @pytest.mark.parametrize("bad, clamped", [([0, 5, 20], [0, 5, 9]), ([-3, 5, 9], [0, 5, 9])],

@@ -67,7 +67,7 @@ def test_makefile_targets():
     dry = subprocess.run(["make", "-n", "-C", str(REPO_ROOT), "build", "check", "test", "bench"],
                          capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr
-    assert ".venv/bin/python -m pytest -q tests" in dry.stdout
+    assert ".venv/bin/python -m pytest -q -n 2 tests" in dry.stdout
     assert "python3 benchmarks/run.py" in dry.stdout
     assert "fused_kernels_tools build --out build" in dry.stdout and "fused_kernels_tools check build" in dry.stdout
     demo = subprocess.run(["make", "-n", "-C", str(REPO_ROOT), "demo"], capture_output=True, text=True)
@@ -92,4 +92,4 @@ def test_requirements_are_pinned():
     assert {k: pins[k] for k in ("torch", "triton", "kernels", "transformers")} == {
         "torch": "2.13.0", "triton": "3.9.0", "kernels": "0.17.2", "transformers": "5.22.2"}
     assert pins["huggingface_hub"].startswith("2.")
-    assert {"hypothesis", "pytest", "check-jsonschema", "numpy"} <= set(pins)
+    assert {"hypothesis", "pytest", "pytest-xdist", "check-jsonschema", "numpy"} <= set(pins)
