@@ -6,7 +6,8 @@ Per row (token) with target ``y``, raw logits ``z_c`` (``c < V``), class weights
 
   lse   = log sum_c exp(x_c)
   ce    = (1 - eps) * w_y * (lse - x_y) + (eps / V) * (W * lse - sum_c w_c * x_c)
-  loss  = r * (ce + s * lse**2)       r = 1 / D under reduction "mean" (D = sum of w_y over counted rows), else 1
+  loss  = r * (ce + s * lse**2)       r = 1 / D under reduction "mean" (D = sum of w_y over counted rows; r = 0 where
+                                      D = 0), else 1
   dloss/dz_c = r * g * ((1 - eps) * w_y * (p_c - [c == y]) + (eps * W / V + 2 * s * lse) * p_c - eps * w_c / V)
                * (1 - (x_c / cap)**2 with soft-capping)
 
@@ -177,8 +178,10 @@ def _cross_entropy_kernel(
     r = 1.0
     if MEAN:
         denominator = tl.load(constants_ptr)
-        # D = 0 only when no row is counted: every loss and gradient is then 0 (or NaN) whatever r is.
-        r = 1.0 / tl.where(denominator != 0.0, denominator, 1.0)
+        # D = 0 when no row is counted, and also when every counted target's class weight is 0: r = 0 then makes the
+        # loss and gradient 0 (torch: NaN), as when all rows are ignored; r = 1 left such rows' label-smoothing and
+        # z-loss terms, which their target's weight does not scale, summed instead of averaged.
+        r = tl.where(denominator != 0.0, 1.0 / denominator, 0.0)
     smoothing_per_class = label_smoothing / n_classes
     # Rows that are not counted read no logits: pass 1 does not run for them, pass 2 masks every load.
     n_read = tl.where(counted, body, 0)

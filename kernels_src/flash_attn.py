@@ -632,13 +632,14 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, seqlen, n_heads, head_dim, stride_ob, stride_os, stride_oh, stride_dob,
-                      stride_dos, stride_doh, stride_lb, stride_lh, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                      stride_dos, stride_doh, stride_lb, stride_lh, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                      FLAT_GRID: tl.constexpr):
     """delta = rowsum(dO * O) of a (dense) query tile, which the dK/dV pass reads, from the stored (rounded) O as
     dS = P * (dP - delta) uses it. The backward through dS (``flash_attn_backward``) runs it first, in place of the
     dQ pass that computes it otherwise."""
-    row_start = tl.program_id(0) * BLOCK_M
-    batch = tl.program_id(1) // n_heads
-    head = tl.program_id(1) % n_heads
+    row_start, batch_head = _tile_of_head(seqlen, 0, BLOCK_M, FLAT_GRID, False, False)
+    batch = batch_head // n_heads
+    head = batch_head % n_heads
     rows = row_start + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     mask = (rows < seqlen)[:, None] & (dims < head_dim)[None, :]
@@ -979,9 +980,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, sink, seed, dq, dk, dv, delta, 
             dkdv_tile["num_warps"], dkdv_tile.get("num_stages"))
 
     if ds is not None:
-        launch(_bwd_delta_kernel, (cdiv(seqlen_q, 64), n_batch * n_heads), (out, dout, delta),
+        grid, flat = _tile_grid(cdiv(seqlen_q, 64), n_batch * n_heads)
+        launch(_bwd_delta_kernel, grid, (out, dout, delta),
                (seqlen_q, n_heads, head_dim, *_strides3(out, False), *_strides3(dout, False), *lse_strides),
-               dict(BLOCK_M=64, BLOCK_D=block_d), 4)
+               dict(BLOCK_M=64, BLOCK_D=block_d, FLAT_GRID=flat), 4)
         # The descriptors' rows end at seqlen_q: stores clip there and loads read zeros past it.
         ds_shape, ds_strides = [ds.shape[0], seqlen_k, seqlen_q], list(ds.stride())
         ds_store = TensorDescriptor(ds, ds_shape, ds_strides, [1, dkdv_tile["block_n"], dkdv_tile["block_m"]])

@@ -54,6 +54,8 @@ def _rotate_heads(x_ptr, out_ptr, batch, positions, pos_mask, n_heads, cos, sin,
     o_rows = batch * o_stride_b + positions * o_stride_s
     cos = cos[:, None, :]
     sin = sin[:, None, :]
+    # Column indices are int64 like every offset: times a column stride below 2**31 their product can pass it (head_dim
+    # an outer dimension of a tensor beyond 2**31 elements), and an int32 product wraps.
     for start in range(0, n_heads, BLOCK_H):
         heads = start + tl.arange(0, BLOCK_H).to(tl.int64)
         row_mask = pos_mask[:, None] & (heads < n_heads)[None, :]
@@ -62,7 +64,7 @@ def _rotate_heads(x_ptr, out_ptr, batch, positions, pos_mask, n_heads, cos, sin,
         if CONVENTION == INTERLEAVED:
             # One contiguous load of the R columns, split into the even and odd members of each pair, so the
             # accesses stay as wide as in the half-split case.
-            cols = tl.arange(0, 2 * BLOCK_PAIRS)
+            cols = tl.arange(0, 2 * BLOCK_PAIRS).to(tl.int64)
             mask = row_mask[:, :, None] & (cols < ROTARY_DIM)[None, None, :]
             x = tl.load(x_ptr + x_heads + cols * x_stride_d, mask=mask, other=0.0).to(tl.float32)
             x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, BLOCK_PAIRS, 2)))
@@ -70,7 +72,7 @@ def _rotate_heads(x_ptr, out_ptr, batch, positions, pos_mask, n_heads, cos, sin,
             y = tl.reshape(y, (BLOCK_S, BLOCK_H, 2 * BLOCK_PAIRS))
             tl.store(out_ptr + o_heads + cols * o_stride_d, y.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            first = tl.arange(0, BLOCK_PAIRS)
+            first = tl.arange(0, BLOCK_PAIRS).to(tl.int64)
             second = first + ROTARY_DIM // 2
             mask = row_mask[:, :, None] & (first < ROTARY_DIM // 2)[None, None, :]
             x1 = tl.load(x_ptr + x_heads + first * x_stride_d, mask=mask, other=0.0).to(tl.float32)
@@ -80,7 +82,7 @@ def _rotate_heads(x_ptr, out_ptr, batch, positions, pos_mask, n_heads, cos, sin,
             tl.store(out_ptr + o_heads + second * o_stride_d, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty),
                      mask=mask)
         if COPY_TAIL:
-            tail = ROTARY_DIM + tl.arange(0, BLOCK_TAIL)
+            tail = ROTARY_DIM + tl.arange(0, BLOCK_TAIL).to(tl.int64)
             tail_mask = row_mask[:, :, None] & (tail < HEAD_DIM)[None, None, :]
             x = tl.load(x_ptr + x_heads + tail * x_stride_d, mask=tail_mask)
             tl.store(out_ptr + o_heads + tail * o_stride_d, x, mask=tail_mask)
@@ -116,7 +118,7 @@ def _rope_kernel(
         angle_mask = pos_mask
         cos_rows = batch * cos_stride_b + positions * cos_stride_s
         sin_rows = batch * sin_stride_b + positions * sin_stride_s
-    pairs = tl.arange(0, BLOCK_PAIRS)
+    pairs = tl.arange(0, BLOCK_PAIRS).to(tl.int64)  # int64, as in _rotate_heads
     if CONVENTION == INTERLEAVED:
         angle_cols = 2 * pairs
     else:

@@ -198,6 +198,22 @@ def test_all_tokens_ignored_gives_zero(fk, reduction, with_weight):
     assert torch.equal(logits.grad, torch.zeros_like(logits))
 
 
+@pytest.mark.parametrize("variant", ["kernels", "torch-cpu"])
+def test_mean_over_targets_weighing_zero_gives_zero(fk, fk_cpu, variant):
+    """Class weights can mask classes instead of ignore_index: when every counted target weighs 0, D is 0 and "mean"
+    gives 0 with a zero gradient, as when all tokens are ignored (torch: NaN), also where label smoothing and the
+    z-loss, which the target's weight does not scale, give those tokens a loss (the kernels once returned that loss
+    unnormalised)."""
+    mod, device = (fk, DEVICE) if variant == "kernels" else (fk_cpu, "cpu")
+    logits, target = make_inputs((4, 50), torch.float32, ignored_fraction=0.0, device=device)
+    weight = torch.rand(50, device=device) + 0.1
+    weight[target] = 0.0
+    x = leaf(logits)
+    loss = mod.cross_entropy(x, target, weight, label_smoothing=0.1, lse_square_scale=1e-2)
+    loss.backward()
+    assert loss.item() == 0.0 and not x.grad.any()
+
+
 def test_empty_batch(fk):
     logits = leaf(torch.randn(0, 50, device=DEVICE))
     target = torch.zeros(0, dtype=torch.int64, device=DEVICE)
@@ -325,6 +341,22 @@ def test_inplace_backward_never_overwrites_a_leaf_that_requires_grad(fk, view):
     assert rel_err(x.grad, x64.grad) < 1e-5
 
 
+def test_inplace_backward_with_overlapping_rows_uses_a_new_buffer(fk):
+    """Rows that overlap without a zero stride (unfold: each row starts one element after the previous) cannot hold
+    their gradients either: written in place, each row's gradient overwrote the next row's logits before they were
+    read (wrong gradient, silently)."""
+    torch.manual_seed(8)
+    base, target = torch.randn(5 + 299, device=DEVICE), torch.randint(0, 300, (5,), device=DEVICE)
+    x = leaf(base)
+    work = x * 1  # a non-leaf the loss may overwrite
+    loss = fk.cross_entropy(work.unfold(0, 300, 1), target, reduction="sum", inplace_backward=True)
+    loss.backward()
+    assert torch.equal(work.detach(), base)
+    x64 = leaf(base.double())
+    reference_float64(x64.unfold(0, 300, 1), target, reduction="sum")[0].backward()
+    assert rel_err(x.grad, x64.grad) < 1e-5
+
+
 def test_inplace_backward_is_visible_to_autograd(fk):
     """An op that saved the logits for its own backward raises instead of silently using the gradient."""
     logits, target = make_inputs((4, 300), torch.float32)
@@ -376,6 +408,24 @@ def test_second_backward_through_the_graph_is_refused(fk):
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("variant", ["kernels", "torch-cpu"])
+def test_double_backward_is_refused(fk, fk_cpu, variant, reduction):
+    """The gradient has no autograd graph of its own (kernels, or torch-cpu formulas with the forward's log-sum-exp
+    as a constant): a first backward with create_graph=True works, a backward through its gradient raises. It once
+    gave torch's "does not require grad" error, a second derivative silently lacking this op's terms (a gradient
+    penalty through a layer before the loss), or, in the torch-cpu variant with reduction "none", a wrong one."""
+    mod, device = (fk, DEVICE) if variant == "kernels" else (fk_cpu, "cpu")
+    logits, target = make_inputs((4, 50), torch.float32, device=device)
+    x = leaf(logits)
+    grad, = torch.autograd.grad(mod.cross_entropy(x, target, reduction=reduction).sum(), x, create_graph=True)
+    x64 = leaf(logits.double())
+    grad64, = torch.autograd.grad(reference_float64(x64, target, reduction=reduction)[0].sum(), x64)
+    assert rel_err(grad, grad64) < 1e-5
+    with pytest.raises(RuntimeError, match="cross_entropy: double backward is not supported"):
+        (grad * torch.randn_like(grad)).sum().backward()
 
 
 def test_no_grad_forward_matches(fk):

@@ -465,6 +465,52 @@ def test_strided_views_are_read_in_place(fk, poisoned_empty):
     torch.testing.assert_close(fk.flash_attn_func(*views, causal=True), expected, rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("tile_form")
+def test_zero_strides_are_read_as_they_are(fk, poisoned_empty):
+    """k and v expanded over the batch, and an upstream gradient expanded over all but the head dim (``(out *
+    w).sum()`` gives one): stride-0 dimensions, which the tensor descriptors of the copy engine take too, give bitwise
+    the output and gradients of contiguous copies."""
+    torch.manual_seed(25)
+    q, k, v = make_qkv(3, 40, 40, 4, 2, 32, torch.float16)
+    k, v = k[:1].expand_as(k), v[:1].expand_as(v)
+    w = torch.randn(32, device=DEVICE, dtype=q.dtype)
+    results = []
+    for prepare in (lambda t: t, torch.Tensor.contiguous):
+        a = [t.detach().requires_grad_() for t in (q, prepare(k), prepare(v))]  # detach() keeps the strides
+        out = fk.flash_attn_func(*a, causal=True)
+        out.backward(prepare(w.expand_as(out)))
+        results.append([out.detach()] + [t.grad for t in a])
+    for name, expanded, contiguous in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(expanded, contiguous), name
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_strided_head_dim_is_copied_for_the_backward_too(fk, varlen):
+    """q, k and v whose head dimension is strided (stride(-1) != 1) are copied, as FlashAttention-2 does: the same
+    output and gradients as contiguous inputs. The backward once read the saved strided tensors as if their head
+    dimension were contiguous (garbage gradients, silently)."""
+    torch.manual_seed(25)
+    q, k, v = make_qkv(2, 9, 11, 4, 2, 16, torch.float16)
+    if varlen:
+        q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    dout = torch.randn_like(q)
+    results = []
+    for layout in (lambda t: t, lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2)):
+        a = leaves(q, k, v)
+        views = [layout(t) for t in a]
+        if varlen:
+            cu_q = torch.tensor([0, 9, 18], dtype=torch.int32, device=DEVICE)
+            cu_k = torch.tensor([0, 11, 22], dtype=torch.int32, device=DEVICE)
+            out = fk.flash_attn_varlen_func(*views, cu_q, cu_k, 9, 11, causal=True)
+        else:
+            out = fk.flash_attn_func(*views, causal=True)
+        out.backward(dout)
+        results.append((out.detach(), *[t.grad for t in a]))
+    assert results[1][1].shape == q.shape
+    for name, contiguous, strided in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(contiguous, strided), name
+
+
 def test_descriptors_only_where_the_copy_engine_can_address_the_tiles(fk):
     """A launch entry's ``desc`` is honoured for dense tensors with 16-byte aligned base and strides in an attention
     of at least ``desc_min_flops``; a varlen batch (whose boxes would cross sequence ends), misaligned tensors and
@@ -577,6 +623,45 @@ def test_backward_through_ds_falls_back_where_the_scratch_does_not_fit(fk, monke
     assert results["no room"][1] == results["without from_ds"][1] == ["_bwd_dq_kernel", "_bwd_dkdv_kernel"]
     for with_fallback, without in zip(results["no room"][0], results["without from_ds"][0]):
         assert torch.equal(with_fallback, without)
+
+
+def test_backward_through_ds_keeps_every_grid_axis_within_the_limit(fk, monkeypatch):
+    """More (batch, head) pairs than a second grid axis holds (forced by a limit of 1 pair) in the backward through
+    dS: every launch, delta's too, puts its pairs on the first axis, with bitwise the gradients of the 2-D grids.
+    Delta's launch once kept a (tiles, batch * heads) grid, which CUDA refuses above 65535 pairs."""
+    kernels_module = fk._kernels.flash_attn
+    table_pick = fk._flash_attn.pick
+
+    def pick(family, kind, device, head_dim):
+        tile = {**table_pick(family, kind, device, head_dim), "desc": True, "desc_min_flops": 0, "without_desc": {}}
+        if kind == "backward_dq":
+            tile["from_ds"] = from_ds_tile(head_dim)
+        return tile
+
+    grids = []
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        grids.append((kernel.__name__, tuple(grid)))
+        return launch(kernel, grid, *args, **kwargs)
+
+    launch = kernels_module.launch
+    monkeypatch.setattr(fk._flash_attn, "pick", pick)
+    monkeypatch.setattr(kernels_module, "launch", recording_launch)
+    torch.manual_seed(24)
+    q, k, v = make_qkv(2, 24, 24, 4, 2, 16, torch.float16)
+    dout = torch.randn_like(q)
+    results = []
+    for limit in (kernels_module._GRID_AXIS_LIMIT, 1):
+        monkeypatch.setattr(kernels_module, "_GRID_AXIS_LIMIT", limit)
+        grids.clear()
+        a = leaves(q, k, v)
+        fk.flash_attn_func(*a, causal=True).backward(dout)
+        results.append([t.grad for t in a])
+    names = [name for name, _ in grids]
+    assert "_bwd_delta_kernel" in names and "_bwd_dq_from_ds_kernel" in names, names
+    assert all(all(size <= 1 for size in grid[1:]) for _, grid in grids), grids
+    for name, natural, flat in zip(("dq", "dk", "dv"), *results):
+        assert torch.equal(natural, flat), name
 
 
 def test_backward_through_ds_only_where_it_applies(fk):
@@ -799,6 +884,15 @@ def test_bad_options_raise_clear_errors(fk):
         fk.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu.int(), 8, 8)
     with pytest.raises(NotImplementedError, match="block_table"):
         fk.flash_attn_varlen_func(q[0], k[0], v[0], cu.int(), cu.int(), 8, 8, block_table=cu)
+    # The kernels read the offsets and the sinks as plain arrays: strided ones (here [0, 8] out of [0, 99, 8, 99],
+    # heads of a (heads, 2) tensor) gave wrong rows and logits, silently.
+    strided_cu = torch.tensor([0, 99, 8, 99], dtype=torch.int32, device=DEVICE)[::2]
+    with pytest.raises(ValueError, match="cu_seqlens_q must be contiguous"):
+        fk.flash_attn_varlen_func(q[0], k[0], v[0], strided_cu, cu.int(), 8, 8)
+    with pytest.raises(ValueError, match="cu_seqlens_k must be contiguous"):
+        fk.flash_attn_varlen_func(q[0], k[0], v[0], cu.int(), strided_cu, 8, 8)
+    with pytest.raises(ValueError, match="s_aux must be contiguous"):
+        fk.flash_attn_func(q, k, v, s_aux=torch.zeros(2, 2, device=DEVICE)[:, 0])
 
 
 def test_torch_cpu_variant_matches_reference(fk_cpu):
@@ -840,6 +934,17 @@ def test_torch_cpu_variant_compiles(fk_cpu):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
 
 
+def test_torch_cpu_variant_varlen_opcheck(fk_cpu):
+    """The torch-cpu variant's varlen forward returns outputs laid out as its fake kernel says: its lse (heads,
+    total_q) was a transposed (total_q, heads) tensor, which torch.compile's graphs then misread (inductor's stride
+    assertion failed on every compiled varlen call)."""
+    torch.manual_seed(26)
+    q, k, v = leaves(*(torch.randn(11, 2, 16, dtype=torch.float16) for _ in range(3)))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    torch.library.opcheck(fk_cpu._ops.ops.flash_attn_forward, (q, k, v, cu, cu, 5, 5, 0.0, 0.25, True, -1, -1, 0.0,
+                                                               None))
+
+
 def test_opcheck(fk):
     dtype = torch.bfloat16 if ON_GPU else torch.float16
     q, k, v = leaves(*make_qkv(2, 64, 64, 4, 2, 64, dtype) if ON_GPU else make_qkv(1, 16, 16, 2, 1, 16, dtype))
@@ -866,6 +971,31 @@ def test_compile_fullgraph(fk):
     compiled_out.backward(dout)
     for a, b in zip(eager_args, compiled_args):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_compile_fullgraph_returns_the_dropout_mask(fk, varlen):
+    """With dropout, ``return_attn_probs=True`` compiles in one graph (the keep mask is an op; its Triton launch once
+    broke the graph, an error under fullgraph=True), with the eager call's output, lse and mask for the same seed."""
+    torch._dynamo.reset()
+    torch.manual_seed(27)
+    q, k, v = make_qkv(2, 9, 11, 2, 1, 16, torch.float16)
+    cu_q = torch.tensor([0, 9, 18], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 11, 22], dtype=torch.int32, device=DEVICE)
+
+    def attention(q, k, v):
+        if varlen:
+            return fk.flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu_q, cu_k, 9, 11, dropout_p=0.3,
+                                             causal=True, return_attn_probs=True)
+        return fk.flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_attn_probs=True)
+
+    results = []
+    for fn in (attention, torch.compile(attention, fullgraph=True, backend="aot_eager")):
+        torch.manual_seed(28)  # the dropout seed
+        results.append(fn(q, k, v))
+    assert results[1][2].shape == (2, 2, 9, 11) and results[1][2].dtype == torch.bool
+    for name, eager, compiled in zip(("out", "lse", "mask"), *results):
+        assert torch.equal(eager, compiled), name
 
 
 @pytest.mark.skipif(not ON_GPU, reason="realistic shapes run on the GPU")
@@ -953,10 +1083,12 @@ def test_window_with_edges_on_both_sides_of_whole_tiles(fk, poisoned_empty):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="65,600 heads of programs are too many for the CPU interpreter")
+@pytest.mark.usefixtures("tile_form")
 def test_more_batch_heads_than_a_grid_axis_holds(fk):
     """batch * heads above 65535, the cap of CUDA's second and third grid axes (a packed batch of thousands of
-    short sequences): every pass then launches one program per (tile, batch, head) on the first axis. Dense and
-    varlen (the same sequences packed) against the references."""
+    short sequences): every pass then launches one program per (tile, batch, head) on the first axis, in every tile
+    form (the backward through dS's delta launch once kept a 2-D grid, which CUDA refused). Dense and varlen (the
+    same sequences packed) against the references."""
     torch.manual_seed(13)
     batch, seq, heads = 8200, 3, 8
     assert batch * heads > 65535

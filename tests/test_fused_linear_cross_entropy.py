@@ -346,6 +346,20 @@ def test_all_tokens_ignored(fk, reduction):
     assert not h.grad.any() and not w.grad.any() and not b.grad.any()
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_mean_over_targets_weighing_zero_gives_zero(fk, algorithm):
+    """Every counted target's class weight 0: "mean" gives 0 and zero gradients, as cross_entropy does, though label
+    smoothing and the z-loss give those tokens a loss (the row kernel once returned it unnormalised)."""
+    hidden, weight, bias, target = make_inputs((6, 16, 300), torch.float32, with_bias=True, ignored_fraction=0.0)
+    class_weight = torch.rand(300, device=DEVICE) + 0.1
+    class_weight[target] = 0.0
+    h, w, b = leaf(hidden), leaf(weight), leaf(bias)
+    loss = fk.fused_linear_cross_entropy(h, w, target, b, class_weight=class_weight, label_smoothing=0.1,
+                                         lse_square_scale=1e-2, chunk_tokens=CHUNK, **ALGORITHMS[algorithm])
+    loss.backward()
+    assert loss.item() == 0.0 and not h.grad.any() and not w.grad.any() and not b.grad.any()
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_single_token(fk, reduction):
     hidden, weight, bias, target = make_inputs((1, 16, 300), torch.bfloat16, with_bias=True, ignored_fraction=0.0)
@@ -397,6 +411,25 @@ def test_second_backward_is_refused(fk):
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("variant", ["kernels", "torch-cpu"])
+def test_double_backward_is_refused(fk, fk_cpu, variant, reduction):
+    """A first backward with create_graph=True works (with reduction "none" it once failed inside the recomputation:
+    "mm(): functions with out=... arguments don't support automatic differentiation"); a backward through the
+    gradients raises, instead of a second derivative silently lacking this op's terms."""
+    mod, device = (fk, DEVICE) if variant == "kernels" else (fk_cpu, "cpu")
+    hidden, weight, _, target = make_inputs((4, 16, 300), torch.float32, device=device)
+    h, w = leaf(hidden), leaf(weight)
+    loss = mod.fused_linear_cross_entropy(h, w, target, reduction=reduction)
+    grad_h, grad_w = torch.autograd.grad(loss.sum(), (h, w), create_graph=True)
+    hr, wr = leaf(hidden.double()), leaf(weight.double())
+    ref = reference_float64(F.linear(hr, wr), target, reduction=reduction)[0].sum()
+    ref_h, ref_w = torch.autograd.grad(ref, (hr, wr))
+    assert rel_err(grad_h, ref_h) < 1e-5 and rel_err(grad_w, ref_w) < 1e-5
+    with pytest.raises(RuntimeError, match="fused_linear_cross_entropy: double backward is not supported"):
+        ((grad_h * grad_h).sum() + grad_w.sum()).backward()
 
 
 def test_out_of_range_target_gives_nan_loss(fk):
@@ -469,6 +502,30 @@ def test_compile_fullgraph(fk, reduction, algorithm):
     (compiled_loss.sum() * 2).backward()
     for a, b in zip(eager_args, compiled_args):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_compile_with_dynamic_token_count(fk, algorithm):
+    """Under torch.compile a new token count makes the token dimension dynamic (automatic dynamic shapes; here
+    dynamic=True from the start): the default chunk_tokens (and chunk_vocab) is then symbolic, and was refused at
+    trace time as "chunk_tokens must be a positive int", though the caller passed none."""
+    torch._dynamo.reset()
+    n_hidden, vocab = 16, 300
+
+    def step(hidden, weight, target):
+        low = {"low_memory": True} if algorithm == "low_memory" else {}
+        return fk.fused_linear_cross_entropy(hidden, weight, target, label_smoothing=0.1, **low)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="inductor" if ON_GPU else "aot_eager")
+    for n_tokens in (6, 11):
+        hidden, weight, _, target = make_inputs((n_tokens, n_hidden, vocab), torch.float32)
+        eager_args, compiled_args = [leaf(t) for t in (hidden, weight)], [leaf(t) for t in (hidden, weight)]
+        eager_loss, compiled_loss = step(*eager_args, target), compiled(*compiled_args, target)
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+        eager_loss.backward()
+        compiled_loss.backward()
+        for a, b in zip(eager_args, compiled_args):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -328,6 +328,52 @@ def test_unused_residual_output_gets_no_gradient(fk):
     assert rel_err(x.grad, xr.grad) < 1e-5 and rel_err(residual.grad, rr.grad) < 1e-5
 
 
+@pytest.mark.parametrize("module", ["fk", "fk_cpu"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_double_backward(request, module, mode, with_residual):
+    """Under create_graph the gradients are differentiable in turn (gradient penalties, Hessian-vector products):
+    the derivatives of a penalty on the x and weight gradients, in x, weight, the residual and the incoming
+    gradients, match float64, including the part that comes from rstd's dependence on x."""
+    fk = request.getfixturevalue(module)
+    x, weight, residual = make_inputs((5, 300), torch.float32, True, with_residual)
+    dys = [torch.randn(x.shape, device=DEVICE) for _ in range(2 if with_residual else 1)]
+    probes = [torch.randn_like(x), torch.randn_like(weight)]
+
+    def penalty_gradients(norm, tensors):
+        x, weight, residual, *dys = tensors
+        outputs = norm(x, weight, residual)
+        first = torch.autograd.grad(outputs, (x, weight), dys, create_graph=True)
+        penalty = sum((g * p.to(g.dtype)).sum() for g, p in zip(first, probes))
+        return torch.autograd.grad(penalty, [t for t in tensors if t is not None])
+
+    def ours(x, weight, residual):
+        if residual is None:
+            return [fk.rms_norm(x, weight, EPS, mode)]
+        return list(fk.fused_add_rms_norm(x, residual, weight, EPS, mode))
+
+    def exact(x, weight, residual):
+        return list(reference_float64(x, weight, EPS, mode, residual))[:len(dys)]
+
+    tensors = [x, weight, residual, *dys]
+    got = penalty_gradients(ours, [leaf(t) for t in tensors])
+    want = penalty_gradients(exact, [leaf(t.double()) if t is not None else None for t in tensors])
+    for name, g, w in zip(["x", "weight", "residual", "dy", "d_residual"][:len(got)], got, want):
+        assert rel_err(g, w) < 1e-5, name
+
+
+@pytest.mark.parametrize("module", ["fk", "fk_cpu"])
+def test_inference_mode(request, module):
+    """Under torch.inference_mode (serving, generation), for a normal input and an inference tensor, the output of
+    any other call."""
+    fk = request.getfixturevalue(module)
+    x, weight, _ = make_inputs((4, 64), torch.float32, True, False)
+    want = fk.rms_norm(x, weight, EPS, "llama")
+    with torch.inference_mode():
+        assert torch.equal(fk.rms_norm(x, weight, EPS, "llama"), want)
+        assert torch.equal(fk.rms_norm(x.clone(), weight, EPS, "llama"), want)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Bad input gives a clear error naming the argument.
 # ----------------------------------------------------------------------------------------------------------
@@ -386,6 +432,21 @@ def test_opcheck(fk):
     dy = torch.randn(shape, device=DEVICE)
     rstd = ops.rms_norm(x.detach(), weight.detach(), EPS, "plain")[1]
     torch.library.opcheck(ops.rms_norm_backward, (dy, dy, x.detach(), rstd, weight.detach(), EPS, "plain", True))
+
+
+@pytest.mark.parametrize("module", ["fk", "fk_cpu"])
+def test_opcheck_transposed_inputs(request, module):
+    """The ops' outputs are contiguous whatever the inputs' strides, as the fake kernels declare them (opcheck
+    compares the strides; inductor asserts them): also in the torch-cpu variant, whose elementwise ops and
+    reductions would follow the strides of a transposed x."""
+    fk = request.getfixturevalue(module)
+    x, weight, residual = make_inputs((3, 4, 40), torch.float32, True, True)
+    x, residual, dy = (LAYOUTS["transposed_leading"](t) for t in (x, residual, torch.randn_like(x)))
+    ops = fk._ops.ops
+    torch.library.opcheck(ops.rms_norm, (leaf(x), leaf(weight), EPS, "llama"))
+    torch.library.opcheck(ops.fused_add_rms_norm, (leaf(x), leaf(residual), leaf(weight), EPS, "gemma"))
+    rstd = ops.rms_norm(x, weight, EPS, "plain")[1]
+    torch.library.opcheck(ops.rms_norm_backward, (dy, dy, x, rstd, weight, EPS, "plain", True))
 
 
 def test_compile_fullgraph(fk):

@@ -381,11 +381,67 @@ def test_inplace_refuses_elements_that_share_memory(fk):
         assert torch.equal(q_out, expected_q) and torch.equal(k_out, expected_k)
 
 
-def test_inplace_on_a_leaf_that_requires_grad_is_refused(fk):
-    q, k = (leaf(t) for t in make_qk(1, 3, 2, 1, 8, torch.float32))
+@pytest.mark.parametrize("which", ["q", "k", "view_of_q"])
+def test_inplace_on_a_leaf_that_requires_grad_is_refused(fk, which):
+    """A leaf that requires grad (a parameter), or a view of one, is refused before anything is written (before the
+    fix autograd's own error came after the kernel had rotated the leaf, and with only k a leaf, q was written too)."""
+    q, k = make_qk(1, 3, 2, 1, 8, torch.float32)
+    q_base = leaf(q.transpose(1, 2)) if which == "view_of_q" else leaf(q)
+    q = q_base.transpose(1, 2) if which == "view_of_q" else q_base
+    k = leaf(k) if which == "k" else leaf(k) * 1
+    q_before, k_before = q.detach().clone(), k.detach().clone()
     cos, sin = angle_tables(1, 3, 8, False, torch.float32)
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         fk.apply_rotary_pos_emb(q, k, cos, sin, inplace=True)
+    assert torch.equal(q.detach(), q_before) and torch.equal(k.detach(), k_before)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["gathered", "packed_cached"])
+def test_inplace_gradients_through_views(fk, packed):
+    """In place with autograd on q and k that are views, as in a model: transposed views of a fused projection
+    (transformers' layout) and the packed (tokens, heads, head_dim) form. Before the fix autograd refused them ("a
+    Function that modifies inplace an input that is a view ... cannot return more than one Tensor"), after the kernel
+    had written them. The outputs and the gradient of the projection are those of the out-of-place call."""
+    batch, seq, q_heads, k_heads, head_dim, rotary_dim = 2, 5, 3, 1, 16, 8
+    x = torch.randn(batch, seq, 12, device=DEVICE)
+    cos_cache, sin_cache = cache_tables(seq, rotary_dim, False, torch.float32)
+    position_ids = torch.arange(seq, device=DEVICE)
+
+    def rotate(weight, inplace):
+        qk = x @ weight
+        q, k = qk[..., : q_heads * head_dim], qk[..., q_heads * head_dim:]
+        if packed:  # the batch's sequences packed, their positions restarting at 0
+            q, k = q.reshape(-1, q_heads, head_dim), k.reshape(-1, k_heads, head_dim)
+            return fk.apply_rotary_pos_emb_cached(q, k, cos_cache, sin_cache, position_ids.repeat(batch),
+                                                  inplace=inplace)
+        q = q.view(batch, seq, q_heads, head_dim).transpose(1, 2)
+        k = k.view(batch, seq, k_heads, head_dim).transpose(1, 2)
+        return fk.apply_rotary_pos_emb(q, k, cos_cache[None], sin_cache[None], inplace=inplace)
+
+    weight = torch.randn(12, (q_heads + k_heads) * head_dim, device=DEVICE)
+    results = []
+    for inplace in (False, True):
+        w = leaf(weight)
+        q_out, k_out = rotate(w, inplace)
+        (q_out.square().sum() + (k_out * 3).sum()).backward()
+        results.append((q_out.detach(), k_out.detach(), w.grad))
+    for expected, got in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_inplace_views_with_cos_that_requires_grad(fk):
+    """cos that requires grad (it gets no gradient) leaves the in-place rotation of views alone: before the fix
+    autograd saw cos, so the outputs required grad and views of a buffer that does not were refused, after the
+    kernel had written them."""
+    batch, seq, heads, head_dim = 2, 5, 3, 16
+    qk = torch.randn(batch, seq, 2 * heads * head_dim, device=DEVICE)
+    q = qk[..., : heads * head_dim].view(batch, seq, heads, head_dim)
+    k = qk[..., heads * head_dim:].view(batch, seq, heads, head_dim)
+    cos, sin = angle_tables(1, seq, head_dim, False, torch.float32)
+    expected = fk.apply_rotary_pos_emb(q, k, cos, sin, 2)
+    q_out, k_out = fk.apply_rotary_pos_emb(q, k, leaf(cos), sin, 2, inplace=True)
+    assert q_out is q and k_out is k
+    assert torch.equal(q.detach(), expected[0]) and torch.equal(k.detach(), expected[1])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -438,6 +494,7 @@ def _ok(d, **overrides):
 
 BAD_INPUTS = [
     (lambda d: _ok(d, q=[1.0]), TypeError, "q must be a torch.Tensor"),
+    (lambda d: _ok(d, q=[1.0], inplace=True), TypeError, "q must be a torch.Tensor"),
     (lambda d: _ok(d, q=torch.randn(2, 3, 4, 16, device=d, dtype=torch.float64)), TypeError, "q must have dtype"),
     (lambda d: _ok(d, q=torch.randn(3, 4, 16, device=d)), ValueError, "q must be 4-dimensional"),
     (lambda d: _ok(d, k=torch.randn(2, 1, 4, 16, device=d, dtype=torch.float16)), TypeError,
@@ -450,6 +507,9 @@ BAD_INPUTS = [
      r"cos must have shape \(2 or 1, 4, rotary_dim\)"),
     (lambda d: _ok(d, cos=torch.randn(3, 4, 16, device=d), sin=torch.randn(3, 4, 16, device=d)), ValueError,
      r"cos must have shape"),
+    (lambda d: _ok(d, q=torch.randn(1, 3, 4, 16, device=d), k=torch.randn(1, 1, 4, 16, device=d),
+                   cos=torch.randn(2, 4, 16, device=d), sin=torch.randn(2, 4, 16, device=d)), ValueError,
+     r"cos must have shape \(1, 4, rotary_dim\) to match q, got \(2, 4, 16\)"),
     (lambda d: _ok(d, sin=torch.randn(1, 4, 8, device=d)), ValueError, "sin must have the shape of cos"),
     (lambda d: _ok(d, sin=torch.ones(1, 4, 16, device=d, dtype=torch.int32)), TypeError, "sin must have dtype"),
     (lambda d: _ok(d, cos=torch.randn(1, 4, 7, device=d), sin=torch.randn(1, 4, 7, device=d)), ValueError,
@@ -498,6 +558,13 @@ BAD_CACHED_INPUTS = [
                           position_ids=torch.zeros(4, device=d, dtype=torch.int64), heads_dim=2), ValueError,
      "heads_dim must be 1 for packed"),
     (lambda d: _ok_cached(d, q=torch.randn(4, 3, 16, device=d)), ValueError, "k must be 3-dimensional"),
+    # Packed: the errors show the shapes passed, not those of the (1, tokens, ...) views inside.
+    (lambda d: _ok_cached(d, q=torch.randn(4, 3, 16, device=d), k=torch.randn(4, 1, 16, device=d),
+                          position_ids=torch.zeros(5, device=d, dtype=torch.int64)), ValueError,
+     r"position_ids must have q's number of tokens \(4\) as its first dimension, got shape \(5,\)"),
+    (lambda d: _ok_cached(d, q=torch.randn(4, 3, 16, device=d), k=torch.randn(5, 1, 16, device=d),
+                          position_ids=torch.zeros(4, device=d, dtype=torch.int64)), ValueError,
+     r"k must have q's number of tokens \(4\) as its first dimension, got shape \(5, 1, 16\)"),
 ]
 
 
@@ -590,6 +657,24 @@ def test_huge_tensor_int64_offsets(fk):
             assert rel_err(out[:, piece], ref) < 1e-2
 
 
+@pytest.mark.parametrize("convention", CONVENTIONS)
+def test_column_stride_beyond_int32_products(fk, convention):
+    """A head_dim stride below 2**31 whose products with the column index are not: column 3 of q lies 3 * 715827883
+    elements (> 2**31) into the storage, as when head_dim is an outer dimension of a tensor beyond 2**31 elements.
+    The column offsets were int32 products, which wrapped: a read far outside the tensor (a crash on the CPU). The
+    storage is mostly untouched virtual memory (4 GiB of it; four elements are written on the CPU)."""
+    interleaved = CONVENTIONS[convention]
+    head_dim, stride = 4, 715827883
+    assert 3 * stride >= 2**31 > stride
+    storage = torch.empty(3 * stride + 1, device=DEVICE, dtype=torch.float16)
+    q = storage.as_strided((1, 1, 1, head_dim), (1, 1, 1, stride))
+    q.copy_(torch.randn(1, 1, 1, head_dim, device=DEVICE))
+    k = torch.randn(1, 1, 1, head_dim, device=DEVICE, dtype=torch.float16)
+    cos, sin = angle_tables(1, 1, head_dim, interleaved, torch.float32, positions=torch.tensor([[5.0]], device=DEVICE))
+    q_out, _ = fk.apply_rotary_pos_emb(q, k, cos, sin, 2, interleaved=interleaved)
+    assert rel_err(q_out, reference_float64(q, cos, sin, 2, interleaved)) < 1e-3
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The torch-cpu variant: plain PyTorch, same function.
 # ----------------------------------------------------------------------------------------------------------
@@ -621,3 +706,25 @@ def test_kernels_and_portable_path_agree(fk, fk_cpu, convention):
     portable = fk_cpu.apply_rotary_pos_emb_cached(*args, interleaved=interleaved)
     for a, b in zip(ours, portable):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The Hub layer in place of transformers' functions.
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["gpt_oss", "openai_privacy_filter"])
+def test_layer_refuses_tables_of_other_conventions(fk, model):
+    """gpt-oss and the OpenAI privacy filter declare their ``apply_rotary_pos_emb`` kernelizable under Llama's name,
+    ``rotary_pos_emb``, but their cos/sin hold each angle once, ``(batch, seq, head_dim / 2)``, and rotate the whole
+    head (half-split and interleaved: the inputs cannot tell which). The swapped-in layer refuses them; before the
+    fix it rotated the first half of each head only, as partial rotary, silently wrong for both."""
+    import importlib
+
+    rotary = importlib.import_module(f"transformers.models.{model}.modeling_{model}").apply_rotary_pos_emb
+    batch, seq, q_heads, k_heads, head_dim = 2, 5, 4, 2, 16
+    q, k = make_qk(batch, seq, q_heads, k_heads, head_dim, torch.float32)
+    cos, sin = angle_tables(batch, seq, head_dim, False, torch.float32)
+    cos, sin = cos[..., : head_dim // 2], sin[..., : head_dim // 2]  # as their rotary embeddings return them
+    rotary(q, k, cos, sin)  # what the model itself accepts
+    with pytest.raises(ValueError, match=r"cos must have head_dim \(16\) columns"):
+        fk.layers.ApplyRotaryPosEmb()(q, k, cos, sin)

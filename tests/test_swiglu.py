@@ -242,6 +242,38 @@ def test_backward_twice(fk):
     torch.testing.assert_close(gate_up.grad, 2 * first, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("module", ["fk", "fk_cpu"])
+@pytest.mark.parametrize("fused", [False, True], ids=["two_tensors", "fused"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_double_backward(request, module, activation, fused):
+    """Under create_graph the gradients are differentiable in turn (gradient penalties, Hessian-vector products):
+    the derivatives of a penalty on the gate and up gradients, in gate, up and the incoming gradient, match
+    float64."""
+    fk = request.getfixturevalue(module)
+    two_tensor, fused_name, kwargs = ACTIVATIONS[activation]
+    gate, up = make_inputs((5, 67), torch.float32)
+    dout = torch.randn(gate.shape, device=DEVICE)
+    probes = [torch.randn_like(gate), torch.randn_like(up)]
+
+    def penalty_gradients(forward, gate, up, dout):
+        first = torch.autograd.grad(forward(gate, up), (gate, up), dout, create_graph=True)
+        penalty = sum((g * p.to(g.dtype)).sum() for g, p in zip(first, probes))
+        return torch.autograd.grad(penalty, (gate, up, dout))
+
+    def ours(gate, up):
+        if fused:
+            return getattr(fk, fused_name)(torch.cat([gate, up], dim=-1), **kwargs)
+        return getattr(fk, two_tensor)(gate, up, **kwargs)
+
+    def exact(gate, up):
+        return reference_float64(gate, up, activation)
+
+    got = penalty_gradients(ours, *(leaf(t) for t in (gate, up, dout)))
+    want = penalty_gradients(exact, *(leaf(t.double()) for t in (gate, up, dout)))
+    for name, g, w in zip(["gate", "up", "dout"], got, want):
+        assert rel_err(g, w) < 1e-5, name
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Bad input gives a clear error naming the argument.
 # ----------------------------------------------------------------------------------------------------------
@@ -307,6 +339,22 @@ def test_opcheck(fk):
     dout = torch.randn(shape, device=DEVICE)
     torch.library.opcheck(ops.gated_activation_backward, (dout, gate.detach(), up.detach(), "gelu"))
     torch.library.opcheck(ops.gated_activation_fused_backward, (dout, gate_up.detach(), "gelu_tanh"))
+
+
+@pytest.mark.parametrize("module", ["fk", "fk_cpu"])
+def test_opcheck_transposed_inputs(request, module):
+    """The ops' outputs are contiguous whatever the inputs' strides, as the fake kernels declare them (opcheck
+    compares the strides; inductor asserts them): also in the torch-cpu variant, whose elementwise ops would follow
+    the strides of transposed inputs."""
+    fk = request.getfixturevalue(module)
+    transposed = LAYOUTS["transposed_leading"]
+    gate, up = (transposed(t) for t in make_inputs((3, 4, 40), torch.float32))
+    gate_up, dout = transposed(torch.cat([gate, up], dim=-1)), transposed(torch.randn(3, 4, 40, device=DEVICE))
+    ops = fk._ops.ops
+    torch.library.opcheck(ops.gated_activation, (leaf(gate), leaf(up), "silu"))
+    torch.library.opcheck(ops.gated_activation_fused, (leaf(gate_up), "gelu"))
+    torch.library.opcheck(ops.gated_activation_backward, (dout, gate, up, "gelu_tanh"))
+    torch.library.opcheck(ops.gated_activation_fused_backward, (dout, gate_up, "silu"))
 
 
 def test_compile_fullgraph(fk):
@@ -578,6 +626,78 @@ def test_mlp_after_our_norm_gradients_are_those_of_a_kept_input(request, module,
         grads.append([leaf_x.grad, norm_weight.grad, *(p.grad for p in mlp.parameters())])
     for got, want in zip(*grads):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("module", ["fk", "fk_cpu"])
+def test_mlp_after_our_norm_without_a_graph_lets_the_norm_input_change(request, module):
+    """A norm whose output needs no gradient (neither its input nor its weight needs one) keeps nothing for a
+    backward, so the MLP layer keeps the norm's output, as the modules do, not its input: that input may then change
+    in place before the MLP's backward, which torch's modules allow."""
+    fk = request.getfixturevalue(module)
+    mlp = mlp_modules(16, 24, False, torch.float32)
+    x, dout = torch.randn(3, 5, 16, device=DEVICE), torch.randn(3, 5, 16, device=DEVICE)
+    y = fk.rms_norm(x, torch.rand(16, device=DEVICE) + 0.5, 1e-6)
+    out = fk.layers.SwiGLUMLP.forward(mlp, y)
+    want = torch.autograd.grad(mlp.down_proj(F.silu(mlp.gate_proj(y)) * mlp.up_proj(y)), list(mlp.parameters()), dout)
+    x.add_(1.0)
+    got = torch.autograd.grad(out, list(mlp.parameters()), dout)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("module", ["fk", "fk_cpu"])
+def test_mlp_after_our_norm_whose_weight_changed_keeps_its_input(request, module):
+    """A norm weight modified in place between the norm and the MLP layer (under no_grad): the layer keeps the norm's
+    output instead of recomputing it with the new weight, and its weight gradients are those of that output."""
+    fk = request.getfixturevalue(module)
+    mlp = mlp_modules(16, 24, False, torch.float32)
+    x, dout = torch.randn(3, 5, 16, device=DEVICE), torch.randn(3, 5, 16, device=DEVICE)
+    norm_weight = torch.nn.Parameter(torch.rand(16, device=DEVICE) + 0.5)
+    y = fk.rms_norm(x, norm_weight, 1e-6)
+    with torch.no_grad():
+        norm_weight.mul_(2.0)
+    out = fk.layers.SwiGLUMLP.forward(mlp, y)
+    want = torch.autograd.grad(mlp.down_proj(F.silu(mlp.gate_proj(y)) * mlp.up_proj(y)), list(mlp.parameters()), dout)
+    got = torch.autograd.grad(out, list(mlp.parameters()), dout)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("module", ["fk", "fk_cpu"])
+@pytest.mark.parametrize("layer, activation", [("SwiGLUMLP", "silu"), ("GeGLUMLP", "gelu_tanh")])
+@pytest.mark.parametrize("after_norm", [False, True], ids=["input", "after_our_norm"])
+def test_mlp_layer_double_backward(request, module, layer, activation, after_norm):
+    """Under create_graph the MLP layer's gradients are differentiable in turn: the derivatives of a penalty on the
+    first gradients of the input and of every parameter match float64, also when the layer recomputes its input
+    from our norm's (the norm's weight then gets its share)."""
+    fk = request.getfixturevalue(module)
+    mlp = mlp_modules(16, 24, True, torch.float32)
+    mlp64 = copy.deepcopy(mlp).double()
+    x, norm_weight = torch.randn(3, 5, 16, device=DEVICE), torch.rand(16, device=DEVICE) + 0.5
+    dout = torch.randn_like(x)
+    # One probe per first gradient: of x, of the norm's weight, of each parameter.
+    probes = [torch.randn_like(t) for t in (x, *([norm_weight] if after_norm else []), *mlp.parameters())]
+
+    def exact_mlp(module, inputs):
+        return module.down_proj(reference_float64(module.gate_proj(inputs), module.up_proj(inputs), activation))
+
+    def exact_norm(inputs, weight):
+        return inputs * torch.rsqrt(inputs.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+    def penalty_gradients(forward, norm, module, dtype):
+        x_, norm_weight_, dout_ = (leaf(t.to(dtype)) for t in (x, norm_weight, dout))
+        tensors = [x_, *([norm_weight_] if after_norm else []), *module.parameters()]
+        out = forward(module, norm(x_, norm_weight_) if after_norm else x_)
+        first = torch.autograd.grad(out, tensors, dout_, create_graph=True)
+        penalty = sum((g * p.to(dtype)).sum() for g, p in zip(first, probes))
+        # The down projection's bias is in no first gradient: its derivative is zero.
+        return torch.autograd.grad(penalty, [*tensors, dout_], allow_unused=True, materialize_grads=True)
+
+    got = penalty_gradients(getattr(fk.layers, layer).forward, lambda i, w: fk.rms_norm(i, w, 1e-6), mlp,
+                            torch.float32)
+    want = penalty_gradients(exact_mlp, exact_norm, mlp64, torch.float64)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert rel_err(g, w, scale=1e-6) < 1e-5, i
 
 
 def test_mlp_layer_runs_wrapped_projections_as_modules(fk):

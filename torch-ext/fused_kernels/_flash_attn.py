@@ -6,7 +6,7 @@ this package with ``attn_implementation="myorg/fused-kernels@v2"``. Additions: `
 attention-sink logit, with its gradient) and fp16/bf16 on any CUDA GPU Triton supports.
 
 Semantics (FlashAttention-2): layouts ``(batch, seq, heads, head_dim)`` and, varlen, ``(total, heads,
-head_dim)`` with int32 ``cu_seqlens``; GQA/MQA when ``heads % kv_heads == 0``; causal masks aligned
+head_dim)`` with contiguous int32 ``cu_seqlens``; GQA/MQA when ``heads % kv_heads == 0``; causal masks aligned
 bottom-right when ``seq_q != seq_k``; ``window_size=(left, right)`` with -1 for unlimited; ``softcap > 0``
 caps the scaled scores with ``softcap * tanh(s / softcap)``; rows that see no key output 0 and get lse
 ``+inf``. ``softmax_lse`` is fp32 natural-log: ``(batch, heads, seq_q)`` dense, ``(heads, total_q)`` varlen.
@@ -74,6 +74,9 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, sof
                 raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets, got "
                                  f"{cu.dtype if isinstance(cu, torch.Tensor) else type(cu).__name__}"
                                  f"{tuple(cu.shape) if isinstance(cu, torch.Tensor) else ''}")
+            # The kernels read the offsets as a plain array (FlashAttention-2 refuses strided ones too).
+            if not cu.is_contiguous():
+                raise ValueError(f"{name} must be contiguous, got stride {cu.stride()}; pass {name}.contiguous()")
         if cu_seqlens_q.shape != cu_seqlens_k.shape:
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                              f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
@@ -91,6 +94,9 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, sof
         _checks.check_tensor("s_aux", s_aux, ndim=1)
         if s_aux.shape[0] != n_heads:
             raise ValueError(f"s_aux must have one logit per q head ({n_heads},), got {tuple(s_aux.shape)}")
+        # The kernels read the logits as a plain array.
+        if not s_aux.is_contiguous():
+            raise ValueError(f"s_aux must be contiguous, got stride {s_aux.stride()}; pass s_aux.contiguous()")
 
 
 def _window(causal: bool, window_left: int, window_right: int) -> tuple[int, int]:
@@ -161,8 +167,9 @@ def _torch_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, scale, wind
         return torch.stack(outs), torch.stack(lses)
     tail = q.shape[0] - int(cu_seqlens_q[-1])
     out = torch.cat(outs + [torch.zeros((tail, *q.shape[1:]), device=q.device)], dim=0)
-    lse = torch.cat([x.transpose(0, 1) for x in lses] + [torch.full((tail, q.shape[1]), float("inf"))], dim=0)
-    return out, lse.transpose(0, 1)
+    # Joined along the rows, so that lse (heads, total_q) is contiguous, as the fake kernel says.
+    lse = torch.cat(lses + [torch.full((q.shape[1], tail), float("inf"), device=q.device)], dim=1)
+    return out, lse
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -220,7 +227,9 @@ def _backward_impl(dout, q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, ma
                    dropout_p, softmax_scale, causal, window_left, window_right, softcap, s_aux):
     """(dq, dk, dv, d s_aux or None)."""
     window = _window(causal, window_left, window_right)
-    dout = _contiguous_last_dim(dout)
+    # q, k and v arrive as the caller passed them (saved for the backward before the forward's copies), so a strided
+    # head dimension is copied again here.
+    dout, q, k, v = (_contiguous_last_dim(t) for t in (dout, q, k, v))
     if not _checks.runs_triton(q):
         return _torch_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, window, softcap, s_aux,
                                seed)
@@ -407,11 +416,25 @@ def _dropout_mask(q, k, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return None
     varlen = cu_seqlens_q is not None
     n_batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
-    mask = torch.empty((n_batch, q.shape[-2], max_seqlen_q, max_seqlen_k), device=q.device, dtype=torch.bool)
     total_q, total_k = (q.shape[0], k.shape[0]) if varlen else (q.shape[1], k.shape[1])
+    return _dropout_mask_op(seed, cu_seqlens_q, cu_seqlens_k, n_batch, q.shape[-2], max_seqlen_q, max_seqlen_k,
+                            total_q, total_k, float(dropout_p))
+
+
+# An op, so that torch.compile traces the mask's Triton launch as one call (a raw launch breaks the graph).
+@torch.library.custom_op(add_op_namespace_prefix("flash_attn_dropout_mask"), mutates_args=())
+def _dropout_mask_op(seed: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                     n_batch: int, n_heads: int, max_seqlen_q: int, max_seqlen_k: int, total_q: int, total_k: int,
+                     dropout_p: float) -> torch.Tensor:
+    mask = seed.new_empty((n_batch, n_heads, max_seqlen_q, max_seqlen_k), dtype=torch.bool)
     _triton_flash_attn.dropout_keep_mask(mask, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
-                                         total_k, float(dropout_p))
+                                         total_k, dropout_p)
     return mask
+
+
+@_dropout_mask_op.register_fake
+def _(seed, cu_seqlens_q, cu_seqlens_k, n_batch, n_heads, max_seqlen_q, max_seqlen_k, total_q, total_k, dropout_p):
+    return seed.new_empty((n_batch, n_heads, max_seqlen_q, max_seqlen_k), dtype=torch.bool)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -424,7 +447,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     Returns ``out (batch, seq_q, heads, head_dim)``, or ``(out, softmax_lse (batch, heads, seq_q) fp32,
     dropout keep mask or None)`` with ``return_attn_probs``. ``deterministic`` is accepted for compatibility:
-    the backward is always deterministic. ``s_aux``: optional ``(heads,)`` attention-sink logits.
+    the backward is always deterministic. ``s_aux``: optional contiguous ``(heads,)`` attention-sink logits.
     """
     del deterministic
     return _attention(q, k, v, None, None, q.shape[1] if q.dim() == 4 else 0, k.shape[1] if k.dim() == 4 else 0,
@@ -435,8 +458,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, s_aux=None):
     """Attention over packed sequences: ``q (total_q, heads, head_dim)``, ``k, v (total_k, kv_heads, head_dim)``,
-    sequence b being rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32 offsets). ``max_seqlen_*``: ints, or 0-d
-    tensors (read on the host). Returns ``out``, or ``(out, softmax_lse (heads, total_q), mask or None)``.
+    sequence b being rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` (contiguous int32 offsets). ``max_seqlen_*``: ints, or
+    0-d tensors (read on the host). Returns ``out``, or ``(out, softmax_lse (heads, total_q), mask or None)``.
 
     As in FlashAttention-2, the offsets' values are not checked (that would need a host synchronisation): they must
     start at 0, never decrease and end at most at total_q / total_k, and no sequence may be longer than its

@@ -21,8 +21,11 @@ most head_dim; the columns from R on pass through unchanged (partial rotary).
 
 Math in fp32, outputs in the input dtype. The backward is the inverse rotation of the incoming gradients;
 cos/sin get no gradient. Out of place by default: inputs are never written. With ``inplace=True`` q and k
-are rotated in place and returned (their partial-rotary tail is untouched); autograd sees the mutation. In place,
-no element may share memory with another (``_checks.check_writable_pair``): it would be rotated twice.
+are rotated in place and returned (their partial-rotary tail is untouched); autograd sees the mutation. Where
+autograd records (q or k requires grad) and q or k is a view, or under torch.compile, the rotation runs out of place
+and is copied into q and k (their tail rewritten with its own values), as autograd cannot take two inputs modified in
+place by one Function when either is a view; a leaf that requires grad, or a view of one, is refused first. In place, no element may share memory with
+another (``_checks.check_writable_pair``): it would be rotated twice.
 
 CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernel; otherwise a plain
 PyTorch implementation with the same numerics runs, which is what the ``torch-cpu`` variant uses.
@@ -108,7 +111,8 @@ def _check_inputs(q, k, cos, sin, position_ids, heads_dim):
             shapes = f"({batch}, {seq})" + (f" or (1, {seq})" if batch != 1 else "")
             raise ValueError(f"position_ids must have shape {shapes} to match q, got {tuple(position_ids.shape)}")
     elif cos.shape[0] not in (1, batch) or cos.shape[1] != seq:
-        raise ValueError(f"cos must have shape ({batch} or 1, {seq}, rotary_dim) to match q, got {tuple(cos.shape)}")
+        batches = f"{batch} or 1" if batch != 1 else "1"
+        raise ValueError(f"cos must have shape ({batches}, {seq}, rotary_dim) to match q, got {tuple(cos.shape)}")
     _checks.check_same_device("q", q, k=k, **{cos_name: cos, sin_name: sin}, position_ids=position_ids)
 
 
@@ -298,17 +302,43 @@ class _EagerRope(torch.autograd.Function):
         return dq, dk, None, None, None, None, None, None, None
 
 
+def _without_grad(t):
+    """cos/sin get no gradient, so autograd must not see them: one that requires grad would make the outputs require
+    grad, and in place autograd then refuses q and k that are views (after the kernel wrote them), while the path of
+    ``_apply`` for q or k that require grad fails in torch's copy_ for two views of one buffer that does not (after the
+    first copy). Non-tensors go on to the checks, which name them."""
+    return t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t
+
+
 def _apply(q, k, cos, sin, position_ids, heads_dim, interleaved, inplace):
-    if not torch.compiler.is_compiling():
+    cos, sin = _without_grad(cos), _without_grad(sin)
+    compiling = torch.compiler.is_compiling()
+    if inplace and torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k)):
+        if not compiling:  # refuse before anything is written (compiled, the trace refuses it)
+            _check_inplace_with_autograd(q, k, cos, sin, position_ids, heads_dim)
+        # A Function that modifies two inputs in place is refused by autograd, after its forward ran, when either is a
+        # view (the transposed view transformers passes, the packed form's q[None]), and the compiled path needs the
+        # functional op: there, rotate out of place and write the result back into q and k (one pass more).
+        if compiling or q._base is not None or k._base is not None:
+            q_out, k_out = _apply(q, k, cos, sin, position_ids, heads_dim, interleaved, False)
+            return q.copy_(q_out), k.copy_(k_out)
+    if not compiling:
         return _EagerRope.apply(q, k, cos, sin, position_ids, heads_dim, interleaved, False, inplace)
     if not inplace:
         return _rope_op(q, k, cos, sin, position_ids, heads_dim, interleaved, False)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        # Autograd needs the functional op: rotate out of place, then write the result back into q and k.
-        q_out, k_out = _rope_op(q, k, cos, sin, position_ids, heads_dim, interleaved, False)
-        return q.copy_(q_out), k.copy_(k_out)
     _rope_inplace_op(q, k, cos, sin, position_ids, heads_dim, interleaved)
     return q, k
+
+
+def _check_inplace_with_autograd(q, k, cos, sin, position_ids, heads_dim):
+    """What ``_forward_inplace`` checks, and that neither q nor k is (a view of) a leaf that requires grad, which
+    ``copy_`` refuses only for its own tensor: with k such a leaf, q would already have been written."""
+    _validate(q, k, cos, sin, position_ids, heads_dim)
+    _checks.check_writable_pair("q", q, "k", k)
+    for name, t in (("q", q), ("k", k)):
+        if _checks.overwrites_grad_leaf(t):
+            raise RuntimeError(f"{name} is a leaf Variable that requires grad, or a view of one, and cannot be rotated "
+                               f"in place while autograd records; rotate out of place, or under torch.no_grad()")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -330,7 +360,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
         unsqueeze_dim: where transformers would insert the heads dimension into cos/sin: 1 or 2 (above).
         interleaved: rotate pairs (2i, 2i + 1) (GPT-J) instead of (i, i + rotary_dim/2) (``rotate_half``).
         inplace: rotate q and k in place and return them (the tail beyond rotary_dim is left as it is); q and k
-            whose elements share memory (expanded ones, or k the same memory as q) are refused.
+            whose elements share memory (expanded ones, or k the same memory as q) are refused, and so, while
+            autograd records, is a leaf that requires grad or a view of one.
 
     Differentiable in q and k (cos and sin get no gradient).
     """
@@ -364,6 +395,11 @@ def apply_rotary_pos_emb_cached(q: torch.Tensor, k: torch.Tensor, cos_cache: tor
         _checks.check_tensor("position_ids", position_ids, dtypes=POSITION_DTYPES, ndim=1)
         if heads_dim != 1:
             raise ValueError(f"heads_dim must be 1 for packed (tokens, heads, head_dim) q and k, got {heads_dim!r}")
+        # Here, not in the checks of the views below, whose errors would show shapes the caller never passed.
+        for name, t in (("k", k), ("position_ids", position_ids)):
+            if t.shape[0] != q.shape[0]:
+                raise ValueError(f"{name} must have q's number of tokens ({q.shape[0]}) as its first dimension, got "
+                                 f"shape {tuple(t.shape)}")
         # A batch of one sequence of all tokens: (1, tokens, heads, head_dim) views, positions (1, tokens).
         q_out, k_out = _apply(q[None], k[None], cos_cache, sin_cache, position_ids[None], 2, interleaved, inplace)
         return (q, k) if inplace else (q_out[0], k_out[0])

@@ -9,9 +9,10 @@ dtype; the gradient has the logits dtype.
 Reductions. ``"mean"`` divides the summed token losses (z-loss included) by D, the number of tokens whose
 target is not ``ignore_index`` (with class weights: the sum of their targets' weights, as torch does). D is
 computed on the device: no host synchronisation, so CUDA graphs and ``torch.compile(fullgraph=True)`` work.
-When every token is ignored the loss is 0 (torch gives NaN). ``"sum"`` adds them, ``"none"`` returns one loss
-per token (0 for ignored tokens). A target outside ``[0, vocab)`` that is not ``ignore_index`` makes its
-token's loss and gradient NaN (documented, device-side, never an out-of-bounds access): the loss turns NaN.
+When D is 0 (every token ignored, or every counted target's class weight 0) the loss and gradient are 0 (torch
+gives NaN). ``"sum"`` adds them, ``"none"`` returns one loss per token (0 for ignored tokens). A target outside
+``[0, vocab)`` that is not ``ignore_index`` makes its token's loss and gradient NaN (documented, device-side,
+never an out-of-bounds access): the loss turns NaN.
 
 Gradient traffic. In eager mode with reduction mean/sum, when the logits require grad, the gradient is
 written during the forward pass (the row is re-read from L2 right after its log-sum-exp), so the backward only
@@ -21,13 +22,15 @@ the same graph is refused (the buffer was consumed). With ``inplace_backward=Tru
 the caller's logits instead (their autograd version is bumped, so an op that saved them raises rather than
 computing a wrong gradient); by default the logits are never written. Reduction ``"none"``, and every
 reduction under ``torch.compile``, keeps the forward pure: it saves the per-token log-sum-exp and the
-backward computes the gradient with the per-token incoming gradient folded in (one read, one write).
+backward computes the gradient with the per-token incoming gradient folded in (one read, one write). The
+gradient has no autograd graph of its own, so double backward raises (``refuses_double_backward``).
 
 CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels; otherwise a plain PyTorch
 implementation of the same function runs (the ``torch-cpu`` variant). The helpers ``loss_constants``,
 ``loss_rows`` and ``scale_`` are shared with fused linear cross-entropy.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -233,6 +236,42 @@ def take_forward_grads(ctx, op_name: str, grad_loss: torch.Tensor) -> tuple:
     return grads
 
 
+class _RefusesDifferentiation(torch.autograd.Function):
+    """The identity on a gradient that was computed without an autograd graph; its backward raises."""
+
+    @staticmethod
+    def forward(ctx, grad, op_name):
+        ctx.op_name = op_name
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, _):
+        raise RuntimeError(f"{ctx.op_name}: double backward is not supported (its gradients are computed without an "
+                           "autograd graph, so they cannot be differentiated)")
+
+
+def refuses_double_backward(op_name: str):
+    """Decorates an autograd.Function's ``backward``: it runs without recording a graph, and under
+    ``create_graph=True`` each gradient it returns goes through ``_RefusesDifferentiation``, so a backward through
+    it raises. Otherwise a second derivative silently lacked this op's terms (the kernels record nothing; the
+    torch-cpu formulas, recorded, treat the forward's log-sum-exp as a constant), and the fused linear recomputation
+    failed in its ``out=`` GEMMs. torch's ``once_differentiable`` marks the gradients only when the incoming
+    gradients require grad, which after ``loss.sum()`` they do not. The marked gradients hold no edge to the op's
+    inputs (that would mean saving the logits), so ``torch.autograd.grad`` with respect to those inputs reports them
+    unused rather than reaching the error."""
+    def decorate(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grad_outputs):
+            with torch.no_grad():
+                grads = backward(ctx, *grad_outputs)
+            if not torch.is_grad_enabled():  # create_graph=False
+                return grads
+            return tuple(_RefusesDifferentiation.apply(g.detach().requires_grad_(), op_name) if g is not None else None
+                         for g in grads)
+        return wrapper
+    return decorate
+
+
 def reduce_rows(rows: torch.Tensor, opts: LossOptions, shape) -> torch.Tensor:
     """The reduced loss from per-row values (already divided by D under "mean")."""
     return rows.view(shape) if opts.reduction == "none" else rows.sum()
@@ -244,9 +283,12 @@ def reduce_rows(rows: torch.Tensor, opts: LossOptions, shape) -> torch.Tensor:
 
 def _can_hold_gradient(logits, logits2d) -> bool:
     """Whether the gradient may overwrite the caller's logits (``logits2d``: their rows) when inplace_backward allows
-    it: unit column stride, no two elements in one memory location (expanded logits would take every row's gradient
-    in the same memory), and not the memory of a leaf that requires grad (a parameter would become its gradient)."""
-    return (logits2d.stride(1) == 1 and not _checks.shares_elements(logits2d)
+    it: unit column stride, rows that do not overlap (expanded logits, row stride 0, would take every row's gradient
+    in the same memory; unfold()ed ones, row stride below the row length, each row's gradient in the next row's
+    logits before they are read), and not the memory of a leaf that requires grad (a parameter would become its
+    gradient)."""
+    n_rows, n_cols = logits2d.shape
+    return (logits2d.stride(1) == 1 and (n_rows <= 1 or logits2d.stride(0) >= n_cols)
             and not _checks.overwrites_grad_leaf(logits))
 
 
@@ -369,6 +411,7 @@ class _EagerCrossEntropy(torch.autograd.Function):
         return loss, z_loss
 
     @staticmethod
+    @refuses_double_backward("cross_entropy")
     def backward(ctx, grad_loss, grad_z_loss):
         if grad_loss is None:  # a consumer of the loss returned no gradient for it: zero gradients, as None says
             ctx.forward_grads = None
@@ -398,14 +441,14 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
         target: int64 or int32 class indices; ``ignore_index`` marks tokens without a loss.
         weight: optional ``(vocab,)`` class weights (not differentiated), as in ``F.cross_entropy``.
         reduction: ``"mean"`` (over non-ignored tokens, or their targets' summed weights; 0 when all are
-            ignored), ``"sum"`` or ``"none"`` (fp32 losses of ``target``'s shape).
+            ignored or those weights sum to 0), ``"sum"`` or ``"none"`` (fp32 losses of ``target``'s shape).
         label_smoothing: in [0, 1], torch's definition.
         lse_square_scale: z-loss coefficient: adds ``lse_square_scale * logsumexp(logits)**2`` per token.
         softcap: if given, logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
         return_z_loss: also return the z-loss part of the loss (reduced the same way, not differentiable).
         inplace_backward: allow the gradient to overwrite ``logits`` (saves one logits-sized buffer; eager mode,
-            reductions mean/sum, logits with unit column stride whose elements do not share memory, as expanded
-            ones do, and that are not a leaf requiring grad or a view of one; ignored otherwise and under
+            reductions mean/sum, logits with unit column stride whose rows do not overlap, as expanded or
+            unfold()ed ones do, and that are not a leaf requiring grad or a view of one; ignored otherwise and under
             ``torch.compile``).
 
     Returns the fp32 loss, or ``(loss, z_loss)`` with ``return_z_loss``. Differentiable in ``logits``.

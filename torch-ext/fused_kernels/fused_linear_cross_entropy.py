@@ -60,15 +60,16 @@ token's incoming gradient folded into its logits gradient. Under ``torch.compile
 the gradients in the forward when an input requires grad, and the backward scales them out of place (or, for
 "none", recomputes as above).
 
-Everything else (options, NaN for out-of-range targets, fp32 losses) is as in ``cross_entropy``. A NaN row
-(out-of-range target) also makes the weight gradient NaN, since every token contributes to it.
+Everything else (options, NaN for out-of-range targets, fp32 losses, double backward refused) is as in
+``cross_entropy``. A NaN row (out-of-range target) also makes the weight gradient NaN, since every token
+contributes to it.
 """
 
 import torch
 
 from . import _checks
-from .cross_entropy import (LossOptions, loss_constants, loss_rows, new_row_stats, reduce_rows, take_forward_grads,
-                            validate_options, validate_target_and_weight)
+from .cross_entropy import (LossOptions, loss_constants, loss_rows, new_row_stats, reduce_rows, refuses_double_backward,
+                            take_forward_grads, validate_options, validate_target_and_weight)
 from ._ops import add_op_namespace_prefix
 
 # Default budget for the token-chunked path's (chunk, vocab) logits buffer.
@@ -133,7 +134,9 @@ def chunk_vocab_for(n_tokens: int, vocab: int, itemsize: int, slice_bytes: int =
 def _check_positive(name, value, optional):
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    # A SymInt is what torch.compile traces once the token count is dynamic: the default chunk_tokens and chunk_vocab
+    # are computed from it.
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < 1:
         raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
 
 
@@ -467,6 +470,7 @@ class _EagerFusedLinearCrossEntropy(torch.autograd.Function):
         return loss, z_loss
 
     @staticmethod
+    @refuses_double_backward("fused_linear_cross_entropy")
     def backward(ctx, grad_loss, grad_z_loss):
         if grad_loss is None:  # a consumer of the loss returned no gradient for it: zero gradients, as None says
             ctx.forward_grads = None

@@ -115,6 +115,14 @@ class ApplyRotaryPosEmb(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        # The replaced function's cos broadcasts against q: head_dim columns. A narrower one (where the functional form
+        # would rotate the first columns only) is another model's function of the same kernelizable name: gpt-oss's
+        # and the OpenAI privacy filter's take each angle once, head_dim / 2 columns, and rotate the whole head,
+        # half-split and interleaved respectively, which their inputs cannot tell apart.
+        if cos.shape[-1] != q.shape[-1]:
+            raise ValueError(f"cos must have head_dim ({q.shape[-1]}) columns, as the apply_rotary_pos_emb this layer "
+                             f"replaces takes it; got {cos.shape[-1]} (gpt-oss-style tables, each angle once, are not "
+                             f"supported: do not map rotary_pos_emb for such models)")
         return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
 

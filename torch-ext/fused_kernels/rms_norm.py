@@ -9,7 +9,9 @@ promoted dtype, as ``weight * hidden.to(input_dtype)`` gives in the reference mo
 
 Inputs and incoming gradients are never written. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``)
 run the Triton kernels; otherwise a plain PyTorch implementation with the same numerics runs, which is what
-the ``torch-cpu`` variant uses.
+the ``torch-cpu`` variant uses. A backward under ``create_graph`` (double backward) runs that implementation too,
+whose ops autograd records, so the gradients are differentiable in turn (eager mode; the ops under torch.compile
+are differentiable once).
 """
 
 import weakref
@@ -65,16 +67,20 @@ def _torch_scale(weight, mode):
     return w + 1.0 if mode == "gemma" else w
 
 
+def _torch_rstd(h, eps):
+    """Each row's 1 / sqrt(mean(h**2) + eps), fp32, of shape ``h.shape[:-1]``."""
+    return torch.rsqrt(h.float().square().mean(-1) + eps)
+
+
 def _torch_forward(h, weight, eps, mode, out_dtype):
     """(y, rstd), rstd of shape ``h.shape[:-1]`` in fp32."""
-    h32 = h.float()
-    rstd = torch.rsqrt(h32.square().mean(-1, keepdim=True) + eps)
-    x_hat = h32 * rstd
+    rstd = _torch_rstd(h, eps)
+    x_hat = h.float() * rstd.unsqueeze(-1)
     if mode == "llama":
         x_hat = x_hat.to(h.dtype).float()
     if weight is not None:
         x_hat = x_hat * _torch_scale(weight, mode)
-    return x_hat.to(out_dtype), rstd.squeeze(-1)
+    return x_hat.to(out_dtype), rstd
 
 
 def _torch_backward(dy, d_residual_out, h, rstd, weight, mode, compute_dw):
@@ -89,7 +95,8 @@ def _torch_backward(dy, d_residual_out, h, rstd, weight, mode, compute_dw):
     if compute_dw:
         seen_by_weight = x_hat.to(h.dtype).float() if mode == "llama" else x_hat
         dw = (dy32 * seen_by_weight).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
-    return dx.to(h.dtype), dw
+    # Contiguous, as the kernels' dx and the fake kernel's: elementwise ops would follow the strides of h and dy.
+    return dx.to(h.dtype).contiguous(), dw
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -151,7 +158,9 @@ def _forward(x, weight, residual, eps, mode):
     out_dtype = _output_dtype(x, weight, mode)
     if _checks.runs_triton(x):
         return _triton_forward(x, weight, residual, eps, mode, out_dtype)
-    h = x if residual is None else x + residual
+    # A contiguous h gives contiguous outputs, as the kernels' are and as the fake kernels declare them (torch.compile
+    # checks their strides): elementwise ops and reductions would follow the strides of x.
+    h = (x if residual is None else x + residual).contiguous()
     y, rstd = _torch_forward(h, weight, eps, mode, out_dtype)
     return y, None if residual is None else h, rstd
 
@@ -266,8 +275,6 @@ class _EagerRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual, eps, mode):
         y, residual_out, rstd = _forward(x, weight, residual, eps, mode)
-        if residual is None:
-            _record_source(y, x, weight, eps, mode)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x if residual is None else residual_out, rstd, weight)
         ctx.eps, ctx.mode, ctx.fused = eps, mode, residual is not None
@@ -277,7 +284,14 @@ class _EagerRMSNorm(torch.autograd.Function):
     def backward(ctx, dy, d_residual_out=None):
         h, rstd, weight = ctx.saved_tensors
         compute_dw = weight is not None and ctx.needs_input_grad[1]
-        dx, dw = _backward_impl(dy, d_residual_out, h, rstd, weight, ctx.eps, ctx.mode, compute_dw)
+        if torch.is_grad_enabled():
+            # create_graph (double backward): the gradients must be differentiable in turn, so they come from the
+            # portable implementation, whose ops autograd records, with rstd recomputed from h: the saved one is a
+            # constant to autograd, and its dependence on h is part of the second derivative.
+            dy = torch.zeros_like(h) if dy is None else dy
+            dx, dw = _torch_backward(dy, d_residual_out, h, _torch_rstd(h, ctx.eps), weight, ctx.mode, compute_dw)
+        else:
+            dx, dw = _backward_impl(dy, d_residual_out, h, rstd, weight, ctx.eps, ctx.mode, compute_dw)
         # h = x + residual, so both inputs of the fused form receive dx.
         return dx, dw, dx if ctx.fused else None, None, None
 
@@ -293,19 +307,28 @@ def _record_source(y, x, weight, eps, mode):
     """Marks ``y`` as ``rms_norm(x, weight, eps, mode)`` (the eager, non-fused form): a layer that keeps its input
     for the backward, such as the MLP layers (``swiglu.gated_mlp``), can keep ``x`` instead, which this norm keeps
     anyway, and recompute ``y`` (``output_source``, ``recompute_output``). ``x`` is held weakly: the mark never
-    keeps it alive."""
-    setattr(y, _SOURCE, (weakref.ref(x), x._version, y._version, weight, eps, mode))
+    keeps it alive. Only for a ``y`` that requires grad: otherwise the norm keeps nothing for a backward (no_grad,
+    inference mode, inputs that need no gradient), and a consumer keeping ``x`` in place of ``y`` would refuse a
+    later in-place change of ``x`` that torch's modules allow; inference tensors have no version counter at all."""
+    setattr(y, _SOURCE, (weakref.ref(x), _versions(y, x, weight), weight, eps, mode))
+
+
+def _versions(y, x, weight):
+    """The version counters of ``y``, ``x`` and the weight, which an in-place change of any of them bumps (the
+    weight's too: recomputing with a weight modified since would not give ``y``)."""
+    return y._version, x._version, None if weight is None else weight._version
 
 
 def output_source(y: torch.Tensor):
     """``(x, weight, eps, mode)`` such that ``recompute_output`` gives ``y`` bit for bit, or None: when ``y`` is
-    not an output of ``rms_norm``, or it or its input was modified in place since, or the input is gone."""
+    not an output of ``rms_norm``, or it, its input or its weight was modified in place since, or the input is
+    gone."""
     source = getattr(y, _SOURCE, None)
     if source is None:
         return None
-    x_ref, x_version, y_version, weight, eps, mode = source
+    x_ref, versions, weight, eps, mode = source
     x = x_ref()
-    if x is None or x._version != x_version or y._version != y_version:
+    if x is None or _versions(y, x, weight) != versions:
         return None
     return x, weight, eps, mode
 
@@ -333,7 +356,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     """
     if torch.compiler.is_compiling():
         return _rms_norm_op(x, weight, eps, mode)[0]
-    return _EagerRMSNorm.apply(x, weight, None, eps, mode)
+    y = _EagerRMSNorm.apply(x, weight, None, eps, mode)
+    if y.requires_grad:  # only then does the norm keep x (see _record_source)
+        _record_source(y, x, weight, eps, mode)
+    return y
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,

@@ -9,7 +9,9 @@ the activation from ``gate``: only the inputs are kept for it. The fused form's 
 
 Inputs and incoming gradients are never written. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``)
 run the Triton kernels; otherwise a plain PyTorch implementation with the same numerics runs, which is what
-the ``torch-cpu`` variant uses.
+the ``torch-cpu`` variant uses. A backward under ``create_graph`` (double backward) runs that implementation too,
+whose ops autograd records, so the gradients are differentiable in turn (eager mode; the ops under torch.compile
+are differentiable once).
 """
 
 import math
@@ -23,7 +25,7 @@ from ._build_info import BACKEND
 from ._launch_config import pick
 from ._layout import shared_row_layouts
 from ._ops import add_op_namespace_prefix
-from .rms_norm import output_source, recompute_output
+from .rms_norm import output_source, recompute_output, rms_norm
 
 if BACKEND == "cuda":
     from ._kernels import swiglu as _triton_swiglu
@@ -86,14 +88,17 @@ def _torch_activation(g: torch.Tensor, activation: str) -> tuple[torch.Tensor, t
     return act, s + act * (1.0 - s) * (_TANH_SCALE * (1.0 + 3.0 * _TANH_CUBIC * g * g))
 
 
+# Outputs are made contiguous, as the kernels' are and as the fake kernels declare them (torch.compile checks their
+# strides): elementwise ops would follow the strides of the inputs.
+
 def _torch_forward(gate, up, activation):
-    return (_torch_activation(gate.float(), activation)[0] * up.float()).to(gate.dtype)
+    return (_torch_activation(gate.float(), activation)[0] * up.float()).to(gate.dtype).contiguous()
 
 
 def _torch_backward(dout, gate, up, activation):
     dy = dout.float()
     act, d_act = _torch_activation(gate.float(), activation)
-    return (dy * up.float() * d_act).to(gate.dtype), (dy * act).to(gate.dtype)
+    return (dy * up.float() * d_act).to(gate.dtype).contiguous(), (dy * act).to(gate.dtype).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -254,6 +259,12 @@ class _EagerGatedActivation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph (double backward): the gradients must be differentiable in turn, so they come from the
+            # portable implementation, whose ops autograd records.
+            if up is None:
+                return torch.cat(_torch_backward(dout, *_halves(gate), ctx.activation), dim=-1), None, None
+            return *_torch_backward(dout, gate, up, ctx.activation), None
         if up is None:
             return _backward_fused(dout, gate, ctx.activation), None, None
         d_gate, d_up = _backward(dout, gate, up, ctx.activation)
@@ -295,18 +306,22 @@ class _EagerGatedMLP(torch.autograd.Function):
         gate = F.linear(x, w_gate, b_gate)
         up = F.linear(x, w_up, b_up)
         source = output_source(x)
+        # The biases (parameters: nothing more is kept) only for a backward under create_graph, which runs the
+        # forward again (_differentiable_mlp_backward).
         if source is None:
-            ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down, None)
+            ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down, None, b_gate, b_up, b_down)
         else:
             norm_input, norm_weight, *ctx.norm_options = source
-            ctx.save_for_backward(norm_input, gate, up, w_gate, w_up, w_down, norm_weight)
+            ctx.save_for_backward(norm_input, gate, up, w_gate, w_up, w_down, norm_weight, b_gate, b_up, b_down)
         ctx.recompute_x = source is not None
         ctx.activation = activation
         return F.linear(_forward(gate, up, activation), w_down, b_down)
 
     @staticmethod
     def backward(ctx, dout):
-        x, gate, up, w_gate, w_up, w_down, norm_weight = ctx.saved_tensors
+        x, gate, up, w_gate, w_up, w_down, norm_weight, *biases = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _differentiable_mlp_backward(ctx, dout, x, (w_gate, w_up, w_down), biases, norm_weight)
         need_x, need_w_gate, need_w_up, need_w_down, need_b_gate, need_b_up, need_b_down, _ = ctx.needs_input_grad
         rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731 - (tokens, features) views for the weight GEMMs
         d_b_down = rows(dout).sum(0) if need_b_down else None
@@ -332,6 +347,20 @@ class _EagerGatedMLP(torch.autograd.Function):
         d_b_gate = rows(d_gate).sum(0) if need_b_gate else None
         d_b_up = rows(d_up).sum(0) if need_b_up else None
         return d_x, d_w_gate, d_w_up, d_w_down, d_b_gate, d_b_up, d_b_down, None
+
+
+def _differentiable_mlp_backward(ctx, dout, x, weights, biases, norm_weight):
+    """``_EagerGatedMLP``'s gradients under create_graph (double backward), where they must be differentiable in
+    turn: the forward again, through ops that autograd records, and autograd's gradients of it."""
+    if ctx.recompute_x:
+        # Differentiably, through the norm's graph: a norm output is recomputed only where it required grad.
+        x = rms_norm(x, norm_weight, *ctx.norm_options)
+    (w_gate, w_up, w_down), (b_gate, b_up, b_down) = weights, biases
+    out = F.linear(_gated(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), ctx.activation), w_down, b_down)
+    inputs = (x, *weights, *biases)
+    needs = ctx.needs_input_grad[:len(inputs)]
+    grads = iter(torch.autograd.grad(out, [t for t, need in zip(inputs, needs) if need], dout, create_graph=True))
+    return *(next(grads) if need else None for need in needs), None
 
 
 def _plain_linear(module) -> bool:
