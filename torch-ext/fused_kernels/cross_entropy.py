@@ -105,8 +105,8 @@ def _needs_weight_sum(weight, opts) -> bool:
 
 
 def loss_constants(target: torch.Tensor, weight, n_classes: int, opts: LossOptions) -> torch.Tensor:
-    """fp32 ``[D, W]`` on the device: D the "mean" denominator over the flat ``target``, W the sum of the class
-    weights (only computed when label smoothing needs it)."""
+    """fp32 ``[r, W]`` on the device: r = 1 / D, D the "mean" denominator over the flat ``target`` (r = 0 where D
+    = 0), W the sum of the class weights (only computed when label smoothing needs it)."""
     if _checks.runs_triton(target):
         constants = torch.zeros(2, device=target.device, dtype=torch.float32)
         config = pick(_CONFIG_FAMILY, "constants", target.device, n_classes)
@@ -120,7 +120,7 @@ def loss_constants(target: torch.Tensor, weight, n_classes: int, opts: LossOptio
     else:
         denominator = torch.where(counted, weight.float()[torch.where(counted, target, 0).long()], 0.0).sum()
     weight_sum = weight.float().sum() if _needs_weight_sum(weight, opts) else denominator.new_zeros(())
-    return torch.stack([denominator, weight_sum])
+    return torch.stack([torch.where(denominator != 0, 1.0 / denominator, 0.0), weight_sum])
 
 
 def _torch_rows(logits, target, weight, constants, opts, loss, z_loss, row_stats, dlogits, grad_out, loss_pass,
@@ -136,7 +136,7 @@ def _torch_rows(logits, target, weight, constants, opts, loss, z_loss, row_stats
     w = weight.float() if weight is not None else None
     w_y = w[y] if w is not None else torch.ones_like(x[:, 0])
     weight_sum = constants[1] if w is not None else float(n_classes)
-    r = torch.where(constants[0] != 0, 1.0 / constants[0], 0.0) if opts.reduction == "mean" else 1.0
+    r = constants[0] if opts.reduction == "mean" else 1.0
     nan = float("nan")
     if loss_pass:
         # As in the kernel: a row whose logits are all -inf is shifted by 0 (its lse is then -inf, not NaN).
@@ -340,8 +340,8 @@ def _options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap
 def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
                       reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
                       return_z_loss: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, z_loss (empty unless ``return_z_loss``), row statistics (``new_row_stats``), constants [D, W]) with
-    a pure forward."""
+    """(loss, z_loss (empty unless ``return_z_loss``), row statistics (``new_row_stats``), constants [1 / D or 0,
+    W]) with a pure forward."""
     opts = _options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
     loss, z_loss, row_stats, constants, _ = _forward(logits, target, weight, opts, return_z_loss, False, False)
     return loss, z_loss if z_loss is not None else loss.new_empty(0), row_stats, constants
