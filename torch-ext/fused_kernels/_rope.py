@@ -24,8 +24,8 @@ cos/sin get no gradient. Out of place by default: inputs are never written. With
 are rotated in place and returned (their partial-rotary tail is untouched); autograd sees the mutation. Where
 autograd records (q or k requires grad) and q or k is a view, or under torch.compile, the rotation runs out of place
 and is copied into q and k (their tail rewritten with its own values), as autograd cannot take two inputs modified in
-place by one Function when either is a view; a leaf that requires grad, or a view of one, is refused first. In place, no element may share memory with
-another (``_checks.check_writable_pair``): it would be rotated twice.
+place by one Function when either is a view; a leaf that requires grad, or a view of one, is refused first. In place,
+no element may share memory with another (``_checks.check_writable_pair``): it would be rotated twice.
 
 CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernel; otherwise a plain
 PyTorch implementation with the same numerics runs, which is what the ``torch-cpu`` variant uses.
