@@ -883,7 +883,7 @@ def test_bad_options_raise_clear_errors(fk):
     with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32"):
         fk.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu.int(), 8, 8)
     # A 0-d tensor max_seqlen (as transformers passes) is checked as an int is: a negative one gave all-zero rows.
-    with pytest.raises(ValueError, match="max_seqlen_q must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="max_seqlen_q must be an int >= 0, got -1"):
         fk.flash_attn_varlen_func(q[0], k[0], v[0], cu.int(), cu.int(), torch.tensor(-1), 8)
     with pytest.raises(NotImplementedError, match="block_table"):
         fk.flash_attn_varlen_func(q[0], k[0], v[0], cu.int(), cu.int(), 8, 8, block_table=cu)

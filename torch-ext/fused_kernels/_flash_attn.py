@@ -110,11 +110,8 @@ def _max_seqlen(value, name: str) -> int:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_floating_point():
             raise ValueError(f"{name} must be an int or a 0-d integer tensor, got {value.dtype}{tuple(value.shape)}")
+        # Then checked as an int is: a negative one launched no programs, leaving the output silently all zeros.
         value = int(value.item())  # the launch grid depends on it (documented host sync)
-        # Checked as an int is: a negative one launched no programs, leaving the output silently all zeros.
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-        return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     return value
