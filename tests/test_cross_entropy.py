@@ -470,6 +470,8 @@ BAD_INPUTS = [
     (_bad(lse_square_scale=-1.0), ValueError, "lse_square_scale must be"),
     (_bad(softcap=0.0), ValueError, "softcap must be"),
     (_bad(ignore_index=1.5), TypeError, "ignore_index must be an int"),
+    (_bad(ignore_index=2**63), ValueError, "ignore_index must fit in int64, got 9223372036854775808"),
+    (_bad(ignore_index=-2**63 - 1), ValueError, "ignore_index must fit in int64"),
     (_bad(logits=[1.0]), TypeError, "logits must be a torch.Tensor"),
 ]
 

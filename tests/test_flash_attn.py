@@ -885,6 +885,12 @@ def test_bad_options_raise_clear_errors(fk):
     # A 0-d tensor max_seqlen (as transformers passes) is checked as an int is: a negative one gave all-zero rows.
     with pytest.raises(ValueError, match="max_seqlen_q must be an int >= 0, got -1"):
         fk.flash_attn_varlen_func(q[0], k[0], v[0], cu.int(), cu.int(), torch.tensor(-1), 8)
+    # A bool tensor was read as the length 1 (rows past the first left at 0, silently).
+    with pytest.raises(ValueError, match=r"max_seqlen_k must be an int or a 0-d integer tensor, got torch.bool"):
+        fk.flash_attn_varlen_func(q[0], k[0], v[0], cu.int(), cu.int(), 8, torch.tensor(True, device=DEVICE))
+    # Offsets as a list: an AttributeError from the device check before.
+    with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32 tensor of batch \\+ 1 offsets, got list"):
+        fk.flash_attn_varlen_func(q[0], k[0], v[0], [0, 8], cu.int(), 8, 8)
     with pytest.raises(NotImplementedError, match="block_table"):
         fk.flash_attn_varlen_func(q[0], k[0], v[0], cu.int(), cu.int(), 8, 8, block_table=cu)
     # The kernels read the offsets and the sinks as plain arrays: strided ones (here [0, 8] out of [0, 99, 8, 99],

@@ -141,6 +141,33 @@ def test_no_tokens(fk, algorithm):
     assert not w.grad.any() and not b.grad.any()
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_zero_hidden_size(fk, algorithm, reduction):
+    """Hidden size 0: every logit is the bias (0 without one), so each counted token's loss is log-sum-exp(bias) -
+    bias[target] and the hidden and weight gradients are empty. It crashed in a reshape(-1, 0) before."""
+    vocab = 7
+    hidden = torch.randn(2, 3, 0, device=DEVICE)
+    weight = torch.randn(vocab, 0, device=DEVICE)
+    bias = torch.randn(vocab, device=DEVICE)
+    target = torch.tensor([[0, 6, -100], [3, 3, 1]], device=DEVICE)
+    h, w, b = leaf(hidden), leaf(weight), leaf(bias)
+    bias = bias.double()
+    loss = fk.fused_linear_cross_entropy(h, w, target, b, reduction=reduction, **ALGORITHMS[algorithm])
+    grad = torch.rand(loss.shape, device=DEVICE)
+    loss.backward(grad)
+    counted = target != -100
+    rows = torch.where(counted, torch.logsumexp(bias, 0) - bias[target.clamp(min=0)], 0.0)
+    softmax_minus_onehot = (torch.softmax(bias, 0) - F.one_hot(target.clamp(min=0), vocab)) * counted[..., None]
+    if reduction == "none":
+        want, dbias = rows, (grad.double()[..., None] * softmax_minus_onehot).sum((0, 1))
+    else:
+        denominator = counted.sum() if reduction == "mean" else 1
+        want, dbias = rows.sum() / denominator, softmax_minus_onehot.sum((0, 1)) * grad.double() / denominator
+    assert rel_err(loss, want) < 1e-6 and rel_err(b.grad, dbias) < 1e-6
+    assert h.grad.shape == hidden.shape and w.grad.shape == weight.shape
+
+
 def test_weight_gradient_rounds_in_place(fk):
     """The fp32 sums rounded into the first half of their own bytes equal a plain rounding, bit for bit, for
     sizes around the doubling steps."""

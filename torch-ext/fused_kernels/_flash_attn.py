@@ -58,17 +58,8 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, sof
             raise ValueError(f"{name} must be {ndim}-dimensional {layout}, got shape {tuple(t.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    _checks.check_same_device("q", q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, s_aux=s_aux)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    head_dim, n_heads, n_kv_heads = q.shape[-1], q.shape[-2], k.shape[-2]
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"k and v must have q's head_dim {head_dim}, got {k.shape[-1]}")
-    if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {head_dim}")
-    if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
-        raise ValueError(f"the number of q heads ({n_heads}) must be a multiple of the k/v heads ({n_kv_heads})")
     if varlen:
+        # Before the device check, which reads .device: a list of offsets gets this error, not an AttributeError.
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
                 raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets, got "
@@ -80,7 +71,17 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, sof
         if cu_seqlens_q.shape != cu_seqlens_k.shape:
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                              f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
-    elif k.shape[0] != q.shape[0]:
+    _checks.check_same_device("q", q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, s_aux=s_aux)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    head_dim, n_heads, n_kv_heads = q.shape[-1], q.shape[-2], k.shape[-2]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k and v must have q's head_dim {head_dim}, got {k.shape[-1]}")
+    if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {head_dim}")
+    if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
+        raise ValueError(f"the number of q heads ({n_heads}) must be a multiple of the k/v heads ({n_kv_heads})")
+    if not varlen and k.shape[0] != q.shape[0]:
         raise ValueError(f"k and v must have q's batch size {q.shape[0]}, got {k.shape[0]}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
@@ -108,7 +109,7 @@ def _window(causal: bool, window_left: int, window_right: int) -> tuple[int, int
 
 def _max_seqlen(value, name: str) -> int:
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_floating_point():
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
             raise ValueError(f"{name} must be an int or a 0-d integer tensor, got {value.dtype}{tuple(value.shape)}")
         # Then checked as an int is: a negative one launched no programs, leaving the output silently all zeros.
         value = int(value.item())  # the launch grid depends on it (documented host sync)

@@ -62,6 +62,9 @@ class LossOptions(NamedTuple):
 def validate_options(opts: LossOptions):
     if isinstance(opts.ignore_index, bool) or not isinstance(opts.ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {opts.ignore_index!r}")
+    # The kernels compare it with int64 targets: a value outside int64 has no such comparison.
+    if not -2**63 <= opts.ignore_index < 2**63:
+        raise ValueError(f"ignore_index must fit in int64, got {opts.ignore_index}")
     _checks.check_choice("reduction", opts.reduction, REDUCTIONS)
     ls = opts.label_smoothing
     if isinstance(ls, bool) or not isinstance(ls, (int, float)) or not 0.0 <= ls <= 1.0:
@@ -231,7 +234,7 @@ def take_forward_grads(ctx, op_name: str, grad_loss: torch.Tensor) -> tuple:
         raise RuntimeError(f"{op_name}: backward ran twice through the same graph; its gradients were computed in "
                            "the forward and consumed by the first backward")
     for g in grads:
-        if g is not None:
+        if g is not None and g.numel():  # an empty one (hidden size 0) has nothing to scale, nor a view(-1, 0)
             scale_(g.view(-1, g.shape[-1]) if g.dim() > 1 else g, grad_loss)
     return grads
 

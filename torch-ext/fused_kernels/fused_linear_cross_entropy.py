@@ -323,7 +323,9 @@ def _run(hidden, weight, target, bias, class_weight, opts, return_z_loss, chunk_
     ``grad_rows`` when given (one incoming gradient per token, reduction "none")."""
     _validate(hidden, weight, target, bias, class_weight, opts, chunk_tokens, chunk_vocab)
     n_hidden, vocab = hidden.shape[-1], weight.shape[0]
-    hidden2d, target1d = hidden.reshape(-1, n_hidden), target.reshape(-1).contiguous()
+    target1d = target.reshape(-1).contiguous()
+    # The token count from the target (hidden's leading shape): reshape(-1, 0) cannot infer it when hidden is 0 wide.
+    hidden2d = hidden.reshape(target1d.numel(), n_hidden)
     class_weight = class_weight.contiguous() if class_weight is not None else None
     n_tokens = target1d.numel()
     needs = (needs[0], needs[1], needs[2] and bias is not None)
