@@ -9,6 +9,7 @@ only fp16 runs: the interpreter multiplies bf16 dot operands wrongly (triton#115
 import math
 import unittest.mock
 
+import numpy
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -322,8 +323,9 @@ def test_varlen_matches_per_sequence_reference(fk, poisoned_empty, causal):
     lengths_q, lengths_k = [5, 0, 1, 19, 12], [7, 3, 1, 19, 0]
     q, k, v, cu_q, cu_k = _varlen_case(lengths_q, lengths_k, 4, 2, 32, torch.float16, tail=3)
     q, k, v = leaves(q, k, v)
-    out, lse, _ = fk.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), torch.tensor(max(lengths_k)),
-                                            causal=causal, return_attn_probs=True)
+    # max_seqlen as a NumPy integer and as a 0-d tensor (as transformers passes it), both taken as ints.
+    out, lse, _ = fk.flash_attn_varlen_func(q, k, v, cu_q, cu_k, numpy.int64(max(lengths_q)),
+                                            torch.tensor(max(lengths_k)), causal=causal, return_attn_probs=True)
     dout = torch.randn_like(out)
     out.backward(dout)
     assert lse.shape == (4, q.shape[0])
@@ -885,6 +887,9 @@ def test_bad_options_raise_clear_errors(fk):
     # A 0-d tensor max_seqlen (as transformers passes) is checked as an int is: a negative one gave all-zero rows.
     with pytest.raises(ValueError, match="max_seqlen_q must be an int >= 0, got -1"):
         fk.flash_attn_varlen_func(q[0], k[0], v[0], cu.int(), cu.int(), torch.tensor(-1), 8)
+    for bad in (8.0, True, "8"):
+        with pytest.raises(ValueError, match="max_seqlen_q must be an int >= 0"):
+            fk.flash_attn_varlen_func(q[0], k[0], v[0], cu.int(), cu.int(), bad, 8)
     # A bool tensor was read as the length 1 (rows past the first left at 0, silently).
     with pytest.raises(ValueError, match=r"max_seqlen_k must be an int or a 0-d integer tensor, got torch.bool"):
         fk.flash_attn_varlen_func(q[0], k[0], v[0], cu.int(), cu.int(), 8, torch.tensor(True, device=DEVICE))

@@ -113,9 +113,13 @@ def _max_seqlen(value, name: str) -> int:
             raise ValueError(f"{name} must be an int or a 0-d integer tensor, got {value.dtype}{tuple(value.shape)}")
         # Then checked as an int is: a negative one launched no programs, leaving the output silently all zeros.
         value = int(value.item())  # the launch grid depends on it (documented host sync)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    try:  # any integer (a NumPy one too), as FlashAttention-2's C++ binding takes it; never a bool or a float
+        length = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        length = None
+    if length is None or length < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    return value
+    return length
 
 
 def _lse_shape(q, cu_seqlens_q):
