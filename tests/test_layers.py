@@ -11,7 +11,7 @@ import torch
 from kernels import KernelizeFallback, LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, EXACT_BF16_ROUNDING, ON_GPU
 from model_helpers import VARIANTS, assert_same_step, loss_and_grads, variant_paths
 
 
@@ -47,6 +47,52 @@ def test_kernelize_tiny_llama_matches_unpatched(build_dir, variant):
     ref_logits, ref_grads = loss_and_grads(reference, input_ids)
     logits, grads = loss_and_grads(patched, input_ids)
     assert_same_step(logits, grads, ref_logits, ref_grads, dtype)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("norm_class", ["olmo2.modeling_olmo2.Olmo2RMSNorm", "olmo3.modeling_olmo3.Olmo3RMSNorm",
+                                        "gpt_oss.modeling_gpt_oss.GptOssRMSNorm"])
+def test_kernelize_olmo_style_rms_norm(build_dir, variant, norm_class):
+    """transformers names these norms "RMSNorm" too, but they multiply the weight in fp32 and cast once at the end
+    (gpt-oss keeps the weight in fp32 while the model runs in bf16): `OlmoRMSNorm` has their numerics and output
+    dtype, where `RMSNorm` (Llama's) rounds before the weight (a quarter of bf16 outputs one ulp off) and returns
+    fp32 for an fp32 weight."""
+    import importlib
+
+    module_path, class_name = norm_class.rsplit(".", 1)
+    stock_class = getattr(importlib.import_module(f"transformers.models.{module_path}"), class_name)
+
+    class Wrapper(torch.nn.Module):  # kernelize swaps the modules inside a model
+        def __init__(self, norm):
+            super().__init__()
+            self.norm = norm
+
+    layer = LocalLayerRepository(variant_paths(build_dir)[variant], layer_name="OlmoRMSNorm")
+    for weight_dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(1)
+        reference = Wrapper(stock_class(1000, eps=1e-5)).to(device=DEVICE, dtype=weight_dtype)
+        with torch.no_grad():
+            reference.norm.weight.uniform_(0.5, 1.5)
+        patched = copy.deepcopy(reference)
+        with use_kernel_mapping({"RMSNorm": {DEVICE.type: layer}}, inherit_mapping=False):
+            patched = kernelize(patched, mode=Mode.TRAINING, device=DEVICE.type)
+        assert patched.norm.forward.__func__.__module__.endswith(".layers"), "kernelize did not swap in the layer"
+        x = torch.randn(3, 5, 1000, device=DEVICE, dtype=torch.bfloat16) * 4
+        outputs = []
+        for model in (reference, patched):
+            xi = x.clone().requires_grad_()
+            y = model.norm(xi)
+            y.backward(torch.ones_like(y))
+            outputs.append((y, xi.grad, model.norm.weight.grad))
+        (y_ref, dx_ref, dw_ref), (y, dx, dw) = outputs
+        assert y.dtype == y_ref.dtype == torch.bfloat16
+        # The same fp32 math rounded once: equal up to one bf16 ulp, and where bf16 rounds to nearest as torch does
+        # (not in the interpreter, which truncates: conftest) equal but for a few values on a rounding boundary.
+        torch.testing.assert_close(y, y_ref, rtol=2**-7, atol=0)
+        if EXACT_BF16_ROUNDING or variant == "torch-cpu":
+            assert (y != y_ref).float().mean() < 0.02, "more outputs differ than fp32 summation order explains"
+        torch.testing.assert_close(dx, dx_ref, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(dw.float(), dw_ref.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="transformers' KernelConfig supports only accelerator devices (not cpu)")
@@ -128,3 +174,191 @@ def test_transformers_kernel_config_swaps_rotary_pos_emb(build_dir, monkeypatch,
     torch.testing.assert_close(logits, ref_logits, rtol=2e-2, atol=2e-2)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The causal-LM layer replaces a forward that transformers wraps (@can_return_tuple) and that slices the final
+# hidden states with `slice_logits_to_keep`: the swapped-in forward must do both as the stock one does.
+# ----------------------------------------------------------------------------------------------------------
+
+def kernelized_causal_lm(build_dir, variant):
+    """(stock, kernelized) tiny Llamas in float32 with random weights, the causal-LM forward swapped for ours; a
+    subclass, so the layer name attached here stays local to the test."""
+    from kernels import LocalLayerRepository, replace_kernel_forward_from_hub
+
+    class TinyLlama(LlamaForCausalLM):
+        pass
+
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    reference = TinyLlama(config).to(DEVICE)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0, 0.5)
+    patched = copy.deepcopy(reference)
+    name = "FusedLinearCrossEntropyForCausalLM"
+    replace_kernel_forward_from_hub(TinyLlama, name)
+    layer = LocalLayerRepository(variant_paths(build_dir)[variant], layer_name=name)
+    with use_kernel_mapping({name: {DEVICE.type: layer}}, inherit_mapping=False):
+        patched = kernelize(patched, mode=Mode.TRAINING, device=DEVICE.type)
+    assert patched.forward.__func__.__module__.endswith(".layers"), "kernelize did not swap in the Hub layer"
+    return reference, patched
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causal_lm_layer_honours_return_dict(build_dir, variant):
+    """`model(..., return_dict=False)` gives the stock forward's tuple; it crashed reading `last_hidden_state` of
+    the tuple the decoder then returned."""
+    reference, patched = kernelized_causal_lm(build_dir, variant)
+    input_ids = torch.randint(0, 97, (2, 7), device=DEVICE)
+    for training in (False, True):
+        reference.train(training)
+        patched.train(training)
+        out = patched(input_ids=input_ids, labels=input_ids, return_dict=False)
+        ref = reference(input_ids=input_ids, labels=input_ids, return_dict=False)
+        assert isinstance(out, tuple)
+        # In training with labels the layer builds no logits: (loss, past_key_values) against (loss, logits, ...).
+        torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-6)
+        if not training:
+            assert len(out) == len(ref)
+            torch.testing.assert_close(out[1], ref[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causal_lm_layer_keeps_the_positions_transformers_keeps(build_dir, variant):
+    """`logits_to_keep` as a 2-D tensor: integer positions per sequence, or a bool mask of kept positions (packed
+    training, with `shift_labels` for the kept positions). A 2-D integer tensor gave logits of shape (B, B, P, V),
+    a mask raised an IndexError, and in training the fused loss ignored `logits_to_keep` altogether."""
+    reference, patched = kernelized_causal_lm(build_dir, variant)
+    input_ids = torch.randint(0, 97, (2, 7), device=DEVICE)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 0], [1, 0, 0, 1, 1, 1, 1]], dtype=torch.bool, device=DEVICE)
+    positions = torch.tensor([[1, 4, 5], [0, 2, 6]], device=DEVICE)
+    reference.eval()
+    patched.eval()
+    with torch.no_grad():
+        for keep in (mask, positions, torch.tensor([1, 4], device=DEVICE), 3):
+            out = patched(input_ids=input_ids, logits_to_keep=keep)
+            ref = reference(input_ids=input_ids, logits_to_keep=keep)
+            torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
+
+    reference.train()
+    patched.train()
+    shift_labels = torch.randint(0, 97, (int(mask.sum()),), device=DEVICE)
+    shift_labels[2] = -100
+    losses, grads = [], []
+    for model in (reference, patched):
+        model.zero_grad()
+        loss = model(input_ids=input_ids, labels=input_ids, shift_labels=shift_labels, logits_to_keep=mask).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The README helper (`fused_kernels_tools.integrate.use_fused_kernels`) on the families it reads differently.
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def helper_families(build_dir, monkeypatch):
+    """`use_fused_kernels`, serving the local build; afterwards Gemma's and OLMo's modeling modules are as before
+    (the helper attaches layer names to classes, and kernelize rebinds `apply_rotary_pos_emb` process-wide)."""
+    import importlib
+    import sys
+
+    from conftest import REPO_ROOT
+
+    if str(REPO_ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / "tools"))
+    from fused_kernels_tools.integrate import use_fused_kernels
+
+    monkeypatch.setenv("LOCAL_KERNELS", f"myorg/fused-kernels={build_dir}")
+    modules = [importlib.import_module(f"transformers.models.{f}.modeling_{f}") for f in ("gemma", "olmo2", "olmo3")]
+    for module in modules:
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, torch.nn.Module) and obj.__module__ == module.__name__:
+                for attr in ("kernel_layer_name", "kernel_condition"):
+                    monkeypatch.setattr(obj, attr, vars(obj).get(attr), raising=False)
+    yield use_fused_kernels
+    for module in modules:
+        vars(module.apply_rotary_pos_emb).pop("forward", None)
+
+
+def test_use_fused_kernels_gemma(helper_families):
+    """Gemma (1) names its MLP's activation `hidden_act` (Gemma-2/3: `hidden_activation`); the helper raised an
+    AttributeError on it. With its own attention (float32), a training step matches the stock model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gemma", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(DEVICE).train()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0, 0.2)
+    patched = copy.deepcopy(reference)
+    input_ids = torch.randint(0, 128, (2, 12), device=DEVICE)
+    losses, grads = [], []
+    for model in (reference, patched):
+        if model is patched:  # after the reference's step: the RoPE swap is process-wide
+            model = helper_families(model, attention=False)
+            assert type(model.model.layers[0].mlp).kernel_layer_name == "GeGLUMLP"
+            assert model.model.norm.forward.__func__.__module__.endswith(".layers")
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
+def test_use_fused_kernels_olmo(helper_families, model_type):
+    """OLMo-2/3 norms (named "RMSNorm" by transformers, like Llama's) get `OlmoRMSNorm`; with their own attention
+    (float32), a training step matches the stock model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(DEVICE).train()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0, 0.2)
+    patched = copy.deepcopy(reference)
+    input_ids = torch.randint(0, 128, (2, 12), device=DEVICE)
+    losses, grads = [], []
+    for model in (reference, patched):
+        if model is patched:  # after the reference's step: the RoPE swap is process-wide
+            model = helper_families(model, attention=False)
+            norm = model.model.layers[0].self_attn.q_norm
+            assert norm.forward.__func__.__qualname__ == "OlmoRMSNorm.forward"
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "granite"])
+def test_use_fused_kernels_refuses_other_model_types(helper_families, model_type):
+    """Model types whose modules the layers are not checked against are refused before any layer name is attached:
+    a mixture-of-experts block has no gate/up/down projections for the MLP layer (the helper attached it, then
+    kernelize or the first forward failed), and Granite's causal LM scales its logits, which the loss layer would
+    silently skip."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(config).to(DEVICE)
+    names = lambda: {type(m): getattr(type(m), "kernel_layer_name", None) for m in model.modules()}  # noqa: E731
+    before = names()
+    with pytest.raises(ValueError, match=f"model type '{model_type}' is not one whose modules the layers"):
+        helper_families(model, attention=False)
+    assert names() == before

@@ -15,23 +15,36 @@ from kernels import (
 )
 
 
+# The layer that reproduces each supported model type's norms, which transformers names "RMSNorm" in all of them.
+# Other types are refused rather than guessed: one may compute differently under the same names (Granite scales its
+# logits; OLMo's norms multiply the weight in fp32, Llama's round before it).
+NORM_LAYERS = {"llama": "RMSNorm", "qwen2": "RMSNorm", "qwen3": "RMSNorm", "mistral": "RMSNorm",
+               "olmo2": "OlmoRMSNorm", "olmo3": "OlmoRMSNorm",
+               "gemma": "GemmaRMSNorm", "gemma2": "GemmaRMSNorm", "gemma3_text": "GemmaRMSNorm"}
+
+
 def use_fused_kernels(model, repo_id="myorg/fused-kernels", revision="v2", low_memory_loss=False,
                       attention=True):
-    """Swap RMSNorm, RoPE, the gated MLP, the causal-LM loss and attention of a Llama, Qwen2/Qwen3, Mistral or
-    Gemma-2 model (on its current device: CUDA, or CPU with the torch-cpu variant) for the Hub layers of
-    `repo_id` at `revision`. Loads from the Hub, or from a local build through LOCAL_KERNELS. `low_memory_loss`:
-    the loss uses fused linear cross-entropy's low-memory algorithm (more compute, no fp32 weight-gradient
-    buffer). `attention=False` keeps the model's own attention implementation (e.g. SDPA, whose cuDNN backend
-    PyTorch prefers on Hopper). Returns the model."""
+    """Swap RMSNorm, RoPE, the gated MLP, the causal-LM loss and attention of a Llama, Qwen2/Qwen3, Mistral,
+    OLMo-2/3 or Gemma/Gemma-2/Gemma-3 model (on its current device: CUDA, or CPU with the torch-cpu variant) for the
+    Hub layers of `repo_id` at `revision`. Loads from the Hub, or from a local build through LOCAL_KERNELS.
+    `low_memory_loss`: the loss uses fused linear cross-entropy's low-memory algorithm (more compute, no fp32
+    weight-gradient buffer). `attention=False` keeps the model's own attention implementation (e.g. SDPA, whose
+    cuDNN backend PyTorch prefers on Hopper). Returns the model."""
     config = model.config
-    gemma = config.model_type.startswith("gemma")
-    activation = config.hidden_activation if gemma else config.hidden_act
+    norm = NORM_LAYERS.get(config.model_type)
+    if norm is None:
+        raise ValueError(f"{type(model).__name__}: model type {config.model_type!r} is not one whose modules the "
+                         f"layers are checked against ({', '.join(NORM_LAYERS)})")
+    gemma = norm == "GemmaRMSNorm"
+    # Gemma-2/3 configs name the MLP's activation hidden_activation; Gemma (1), like Llama, hidden_act.
+    activation = getattr(config, "hidden_activation", None) or config.hidden_act
     if activation not in (("gelu_pytorch_tanh",) if gemma else ("silu", "swish")):
         raise ValueError(f"{type(model).__name__}: no fused MLP layer for the activation {activation!r}")
     # Gemma's norms scale by (1 + weight) in fp32 and its MLPs gate with the tanh GELU.
     mlp = "GeGLUMLP" if gemma else "SwiGLUMLP"
     loss = "LowMemoryFusedLinearCrossEntropyForCausalLM" if low_memory_loss else "FusedLinearCrossEntropyForCausalLM"
-    layers = {"RMSNorm": "GemmaRMSNorm" if gemma else "RMSNorm", "rotary_pos_emb": "ApplyRotaryPosEmb", mlp: mlp,
+    layers = {"RMSNorm": norm, "rotary_pos_emb": "ApplyRotaryPosEmb", mlp: mlp,
               "FusedLinearCrossEntropyForCausalLM": loss}  # model's name: our layer
 
     # transformers declares "RMSNorm" (except on Gemma-2's norm) and "rotary_pos_emb" itself; the MLP and the

@@ -19,6 +19,11 @@ _CAUSAL_LMS = (
     "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM",
     "transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM",
     "transformers.models.mistral.modeling_mistral.MistralForCausalLM",
+    "transformers.models.olmo2.modeling_olmo2.Olmo2ForCausalLM",
+    "transformers.models.olmo3.modeling_olmo3.Olmo3ForCausalLM",
+    "transformers.models.gemma.modeling_gemma.GemmaForCausalLM",
+    "transformers.models.gemma2.modeling_gemma2.Gemma2ForCausalLM",
+    "transformers.models.gemma3.modeling_gemma3.Gemma3ForCausalLM",
 )
 
 LAYER_TABLE: dict[str, tuple[str, ...]] = {
@@ -26,6 +31,11 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "transformers.models.llama.modeling_llama.LlamaRMSNorm",
         "transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm",
         "transformers.models.mistral.modeling_mistral.MistralRMSNorm",
+    ),
+    "OlmoRMSNorm": (
+        "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm",
+        "transformers.models.olmo3.modeling_olmo3.Olmo3RMSNorm",
+        "transformers.models.gpt_oss.modeling_gpt_oss.GptOssRMSNorm",
     ),
     "GemmaRMSNorm": (
         "transformers.models.gemma.modeling_gemma.GemmaRMSNorm",
@@ -37,6 +47,8 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "transformers.models.qwen2.modeling_qwen2.Qwen2MLP",
         "transformers.models.qwen3.modeling_qwen3.Qwen3MLP",
         "transformers.models.mistral.modeling_mistral.MistralMLP",
+        "transformers.models.olmo2.modeling_olmo2.Olmo2MLP",
+        "transformers.models.olmo3.modeling_olmo3.Olmo3MLP",
     ),
     "GeGLUMLP": (
         "transformers.models.gemma.modeling_gemma.GemmaMLP",
@@ -50,6 +62,11 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
         "transformers.models.llama.modeling_llama.apply_rotary_pos_emb",
         "transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb",
         "transformers.models.mistral.modeling_mistral.apply_rotary_pos_emb",
+        "transformers.models.olmo2.modeling_olmo2.apply_rotary_pos_emb",
+        "transformers.models.olmo3.modeling_olmo3.apply_rotary_pos_emb",
+        "transformers.models.gemma.modeling_gemma.apply_rotary_pos_emb",
+        "transformers.models.gemma2.modeling_gemma2.apply_rotary_pos_emb",
+        "transformers.models.gemma3.modeling_gemma3.apply_rotary_pos_emb",
     ),
     "FusedLinearCrossEntropyForCausalLM": _CAUSAL_LMS,
     "LowMemoryFusedLinearCrossEntropyForCausalLM": _CAUSAL_LMS,

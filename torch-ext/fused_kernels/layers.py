@@ -29,6 +29,21 @@ class RMSNorm(nn.Module):
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, mode="llama")
 
 
+class OlmoRMSNorm(nn.Module):
+    """Replaces ``Olmo2RMSNorm``/``Olmo3RMSNorm``/``GptOssRMSNorm``, which transformers also names ``RMSNorm`` but
+    computes as ``torch.nn.RMSNorm`` does: the weight multiplies in fp32 and the output is cast to the input dtype
+    once, at the end (Llama's ``RMSNorm`` rounds before the weight, and promotes to an fp32 weight's dtype)."""
+
+    weight: torch.Tensor
+    variance_epsilon: float
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, mode="plain")
+
+
 class GemmaRMSNorm(nn.Module):
     """Replaces ``GemmaRMSNorm``/``Gemma2RMSNorm``/``Gemma3RMSNorm``: ``(1 + weight)`` scale, fp32 throughout."""
 
@@ -137,13 +152,30 @@ def _causal_lm_output_type(model: nn.Module) -> type:
                     "modules of its classes)")
 
 
+def _keep_positions(hidden_states: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """transformers' ``slice_logits_to_keep``: an int keeps the last positions (0: all), a 1-D tensor these positions
+    of every sequence, a 2-D integer tensor these positions per sequence, a 2-D bool mask its True positions
+    (flattened to ``(kept, hidden)``). Indexing dim 1 with a 2-D tensor would add a dimension instead."""
+    if torch.is_tensor(logits_to_keep) and logits_to_keep.ndim == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden_states[logits_to_keep]
+        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return hidden_states[:, keep, :]
+
+
 def _causal_lm_forward(model, low_memory, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
                        labels, use_cache, logits_to_keep, kwargs):
     """The forward of the two causal-LM layers below (a Hub layer may hold no helper of its own)."""
+    # The stock forward's @can_return_tuple, which the swap bypasses: return_dict (the call's, else the config's) is
+    # honoured here, and the decoder always returns its output object, whose fields are read below.
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(model.config, "return_dict", True)
     outputs = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                          **kwargs)
-    hidden_states = outputs.last_hidden_state
+                          return_dict=True, **kwargs)
+    hidden_states = _keep_positions(outputs.last_hidden_state, logits_to_keep)
     softcap = getattr(model.config, "final_logit_softcapping", None)
     loss = logits = None
     if model.training and labels is not None:
@@ -151,25 +183,27 @@ def _causal_lm_forward(model, low_memory, input_ids, attention_mask, position_id
         if shift_labels is None:
             shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         num_items = kwargs.get("num_items_in_batch")
-        loss = fused_linear_cross_entropy(hidden_states, model.lm_head.weight, shift_labels.to(hidden_states.device),
-                                          model.lm_head.bias, reduction="mean" if num_items is None else "sum",
-                                          softcap=softcap, low_memory=low_memory)
+        # Flattened, as ForCausalLMLoss flattens logits and labels (kept positions may be a flat (kept, hidden)).
+        loss = fused_linear_cross_entropy(hidden_states.flatten(0, -2), model.lm_head.weight,
+                                          shift_labels.flatten().to(hidden_states.device), model.lm_head.bias,
+                                          reduction="mean" if num_items is None else "sum", softcap=softcap,
+                                          low_memory=low_memory)
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     else:
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = model.lm_head(hidden_states[:, keep, :])
+        logits = model.lm_head(hidden_states)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if labels is not None:
             loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs)
-    return _causal_lm_output_type(model)(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                         hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    output = _causal_lm_output_type(model)(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                           hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return output if return_dict else output.to_tuple()
 
 
 class FusedLinearCrossEntropyForCausalLM(nn.Module):
-    """Replaces the forward of a transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-    ``Qwen3ForCausalLM``, ``MistralForCausalLM``): in training with ``labels``, the loss comes from
+    """Replaces the forward of a transformers causal LM (the ``...ForCausalLM`` of Llama, Qwen2/Qwen3, Mistral,
+    OLMo-2/3 and Gemma/Gemma-2/Gemma-3): in training with ``labels``, the loss comes from
     ``fused_linear_cross_entropy`` over the decoder's final hidden states and ``lm_head``'s weight, so the
     ``(tokens, vocab)`` logits are never built (the output's ``logits`` is None). Otherwise (eval, generation,
     no labels) it computes exactly what the stock forward does.
