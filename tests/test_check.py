@@ -88,6 +88,18 @@ def test_check_passes_on_the_real_build(build):
     @torch.library.custom_op(qualname("rms_norm"), mutates_args=())
     def f(x): ...
     """,
+    """
+    import torch
+    register = torch.library.custom_op  # an alias made by assignment, not by import
+    @register("myns::rms_norm", mutates_args=())
+    def f(x): ...
+    """,
+    """
+    import torch
+    library = torch.library
+    fake = library.register_fake
+    fake("myns::rms_norm")(lambda x: x)
+    """,
 ])
 def test_registrations_must_use_the_namespace_prefix(code):
     problems = rules(code)
@@ -127,6 +139,11 @@ def test_registrations_through_the_prefix_pass():
     ("from ... import x", "_kernels/x.py", "above the package root"),
     ("import triton\n@triton.autotune(configs=[], key=[])\ndef f(): ...", "_kernels/x.py", "triton.autotune"),
     ("from triton import autotune", "_kernels/x.py", "autotune"),
+    ("import importlib\nimportlib.import_module('fused_kernels.rms_norm')", "x.py", "absolute self-import"),
+    ("from importlib import import_module\nimport_module('fused_kernels')", "x.py", "absolute self-import"),
+    ("__import__('kernels_src.rms_norm')", "x.py", "absolute self-import"),
+    ("import importlib as il\nil.import_module('triton')", "rms_norm.py", "outside _kernels/"),
+    ("import importlib\nimportlib.import_module('numpy')", "x.py", "not the stdlib, torch, triton"),
 ])
 def test_import_and_autotune_rules(code, rel_path, expected):
     problems = rules(code, rel_path)
@@ -137,6 +154,10 @@ def test_allowed_imports_pass():
     assert rules("import os, math, functools\nimport torch.nn\nfrom . import layers\nfrom ._ops import ops") == []
     assert rules("import triton\nimport triton.language as tl\nfrom .. import _ops", "_kernels/rms_norm.py") == []
     assert rules("from __future__ import annotations\nfrom .rms_norm import x", "__init__.py") == []
+    assert rules("import importlib\nimportlib.import_module('.rms_norm', __package__)\nimportlib.import_module('json')"
+                 "\n__import__('rms_norm', globals(), None, ['x'], 1)") == []
+    assert rules("import torch\nfrom ._ops import add_op_namespace_prefix\nregister = torch.library.custom_op\n"
+                 "@register(add_op_namespace_prefix('x'), mutates_args=())\ndef f(x): ...") == []
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -180,6 +201,24 @@ def test_absolute_self_import_in_a_build(cpu_build):
     rehash(variant)
     problems = static_problems(cpu_build)
     assert len(problems) == 1 and problems[0].startswith("torch-cpu/bad_import.py:1: absolute self-import"), problems
+
+
+def test_registration_and_self_import_in_other_spellings_in_a_build(cpu_build):
+    """An op registered through an assigned alias of custom_op and a lazy importlib self-import both passed
+    `check` (static and import checks): the op is imported without error and the self-import runs only
+    when called."""
+    variant = cpu_build / "torch-cpu"
+    (variant / "sneaky.py").write_text(
+        "import importlib\n\nimport torch\n\nregister = torch.library.custom_op\n\n\n"
+        '@register("myns::sneaky", mutates_args=())\n'
+        "def sneaky(x: torch.Tensor) -> torch.Tensor:\n    return x.clone()\n\n\n"
+        "def lazy():\n    return importlib.import_module('fused_kernels.rms_norm')\n")
+    rehash(variant)
+    problems = static_problems(cpu_build)
+    assert any(p.startswith("torch-cpu/sneaky.py:8: torch.library.custom_op: literal op name 'myns::sneaky'")
+               for p in problems), problems
+    assert any(p.startswith("torch-cpu/sneaky.py:14: absolute self-import of 'fused_kernels.rms_norm'")
+               for p in problems), problems
 
 
 def test_triton_in_the_cpu_variant_is_reported(cpu_build):

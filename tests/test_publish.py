@@ -277,6 +277,20 @@ def test_builds_that_do_not_match_the_release_table_are_refused(hub, env, source
         heads(hub)
 
 
+def test_a_build_is_never_published_to_another_versions_branch(hub, env, source, built):
+    """`--branch v1` with the v2 build replaced the frozen v1 (get_kernel(version=1) then loaded v2's code, API
+    and metadata version); `v02` would be a second branch that kernels reads as version 2."""
+    publish(built / "v1", source, env)
+    v1_head = heads(hub)["v1"]
+    for branch, read_as in (("v1", 1), ("v02", 2), ("v+1", 1)):
+        proc = publish(built / "v2", source, env, "--branch", branch, check=False)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert f"--branch {branch} is version {read_as} to kernels, but" in proc.stderr
+    assert heads(hub)["v1"] == v1_head and set(heads(hub)) == {"main", "v1"}
+    publish(built / "v2", source, env, "--branch", "ep-support")  # not a version: consumers pass revision=
+    assert {p for p in files(hub, "ep-support") if p.startswith("build/")} == local_files(built / "v2")
+
+
 def test_a_dirty_build_needs_allow_dirty(hub, env, source, tmp_path):
     work = tmp_path / "work"
     subprocess.run(["git", "clone", "-q", str(source), str(work)], check=True)

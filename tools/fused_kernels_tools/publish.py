@@ -38,6 +38,17 @@ def git_blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+def kernels_version(branch: str) -> int | None:
+    """The version `kernels.get_kernel(version=N)` reads from a branch name (kernels/_versions.py: `v` and
+    whatever int() takes), so `v01` and `v+1` are version 1 to it as much as `v1` is; None: not a version."""
+    if not branch.startswith("v"):
+        return None
+    try:
+        return int(branch[1:])
+    except ValueError:
+        return None
+
+
 def _is_benchmark(path: str) -> bool:
     parent, name = path.rpartition("/")[::2]
     return parent == "benchmarks" and fnmatch.fnmatchcase(name, "benchmark*.py")
@@ -268,6 +279,13 @@ def _publish(options: Options, secrets: _Secrets) -> int:
     build = load_build(options.build_dir, source)
     repo_id = options.repo_id or default_repo_id(source)
     branch = options.branch or f"v{build.version}"
+    read_as = kernels_version(branch)
+    if read_as is not None and branch != f"v{build.version}":
+        # get_kernel(version=N) would load this build (or pick between two branches of one version), whose
+        # metadata and API are another version's: a frozen v1 overwritten by a v2 build, say.
+        raise ToolError(f"--branch {branch} is version {read_as} to kernels, but {options.build_dir} is a build of"
+                        f" version {build.version}: publish it to v{build.version} (the default), to a branch kernels"
+                        f" does not read as a version, or rebuild it as version {read_as}")
 
     if build.dirty:
         if not options.allow_dirty:

@@ -1,10 +1,11 @@
 """Static (AST) rules for the Python files of a variant.
 
 - torch.library registrations name their op through `add_op_namespace_prefix(...)` (the Nix
-  torch-ops-check rule, applied to every call and decorator, not only top-level ones);
+  torch-ops-check rule, applied to every call and decorator, not only top-level ones, whether the function
+  was imported or assigned to a name);
 - imports are relative for the package itself, otherwise stdlib, torch, triton or a declared
   python-depends; triton only inside `_kernels/` (so the torch-cpu variant, which has no `_kernels/`,
-  never imports it);
+  never imports it); `importlib.import_module("x")` and `__import__("x")` of a literal name count as imports;
 - no `triton.autotune`: it benchmarks on first call on a GPU; ship tuned configs as data instead.
 """
 
@@ -46,6 +47,11 @@ def _is_torch_library(qualname: str | None, names: frozenset[str]) -> str | None
     if func in names and (module == "torch.library" or module.startswith("torch._library")):
         return func
     return None
+
+
+def _is_torch_library_path(qualname: str) -> bool:
+    """torch.library itself or anything in it (or in torch._library)."""
+    return qualname == "torch.library" or qualname.startswith(("torch.library.", "torch._library"))
 
 
 def _has_string_literal(node: ast.expr) -> bool:
@@ -92,6 +98,24 @@ class _Module:
                 for target in targets:
                     if isinstance(target, ast.Name):
                         self.assignments.setdefault(target.id, []).append(node.value)
+        self._alias_assignments()
+
+    def _alias_assignments(self) -> None:
+        """`register = torch.library.custom_op` (or `lib = torch.library`) makes `register` an alias as much as
+        an import would: without this, `@register("myns::op")` escapes the registration rule."""
+        resolved: set[str] = set()
+        changed = True
+        while changed:  # a chain (`a = torch.library; b = a.custom_op`) resolves one link per pass
+            changed = False
+            for name, values in self.assignments.items():
+                for value in values:
+                    if name in resolved or not isinstance(value, (ast.Name, ast.Attribute)):
+                        continue
+                    qualname = _dotted(value, self.aliases)
+                    if qualname and _is_torch_library_path(qualname):
+                        self.aliases[name] = qualname
+                        resolved.add(name)
+                        changed = True
 
 
 def _op_name_problem(arg: ast.expr, module: _Module) -> str | None:
@@ -144,8 +168,25 @@ def check_registrations(tree: ast.Module, module: _Module) -> list[tuple[int, st
     return problems
 
 
-def check_imports(tree: ast.Module, *, rel_path: str, python_name: str, extra_allowed: frozenset[str]) -> list[tuple[int, str]]:
+def _dynamic_import(node: ast.Call, module: _Module) -> str | None:
+    """The module that `importlib.import_module("x")` or `__import__("x")` imports, when it is a literal
+    absolute name: the same import as `import x`, so the same rules apply (relative names are fine)."""
+    qualname = _dotted(node.func, module.aliases)
+    if qualname not in ("importlib.import_module", "__import__") or not node.args:
+        return None
+    name = node.args[0]
+    if not (isinstance(name, ast.Constant) and isinstance(name.value, str)) or name.value.startswith("."):
+        return None
+    level = node.args[4] if len(node.args) > 4 else next((k.value for k in node.keywords if k.arg == "level"), None)
+    if qualname == "__import__" and level is not None and not (isinstance(level, ast.Constant) and level.value == 0):
+        return None  # __import__(name, ..., level=1): relative
+    return name.value
+
+
+def check_imports(tree: ast.Module, *, rel_path: str, python_name: str, extra_allowed: frozenset[str],
+                  module: _Module | None = None) -> list[tuple[int, str]]:
     """Import rules for the file at `rel_path` (relative to the variant directory)."""
+    module = module or _Module(tree)
     problems = []
     parts = rel_path.split("/")
     package_depth = len(parts) - 1  # packages enclosing this module inside the variant, minus the root
@@ -160,6 +201,8 @@ def check_imports(tree: ast.Module, *, rel_path: str, python_name: str, extra_al
             modules = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             modules = [node.module or ""]
+        elif isinstance(node, ast.Call) and (dynamic := _dynamic_import(node, module)) is not None:
+            modules = [dynamic]
         else:
             continue
         for name in modules:
@@ -200,6 +243,7 @@ def check_python_source(text: str, *, rel_path: str, python_name: str,
         return [(e.lineno or 0, f"syntax error: {e.msg}")]
     module = _Module(tree)
     problems = (check_registrations(tree, module)
-                + check_imports(tree, rel_path=rel_path, python_name=python_name, extra_allowed=extra_allowed)
+                + check_imports(tree, rel_path=rel_path, python_name=python_name, extra_allowed=extra_allowed,
+                                 module=module)
                 + check_autotune(tree, module))
     return sorted(set(problems))
