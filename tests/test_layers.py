@@ -287,13 +287,13 @@ def helper_families(build_dir, monkeypatch):
         vars(module.apply_rotary_pos_emb).pop("forward", None)
 
 
-def test_use_fused_kernels_gemma(helper_families):
-    """Gemma (1) names its MLP's activation `hidden_act` (Gemma-2/3: `hidden_activation`); the helper raised an
-    AttributeError on it. With its own attention (float32), a training step matches the stock model's."""
+def assert_helper_step_matches_stock(use_fused_kernels, model_type, **config_kwargs):
+    """A float32 training step of a tiny random `model_type` model through `use_fused_kernels` (with the model's own
+    attention) matches the stock model's: loss and every gradient. Returns the patched model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("gemma", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **config_kwargs)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(DEVICE).train()
     with torch.no_grad():
@@ -304,9 +304,7 @@ def test_use_fused_kernels_gemma(helper_families):
     losses, grads = [], []
     for model in (reference, patched):
         if model is patched:  # after the reference's step: the RoPE swap is process-wide
-            model = helper_families(model, attention=False)
-            assert type(model.model.layers[0].mlp).kernel_layer_name == "GeGLUMLP"
-            assert model.model.norm.forward.__func__.__module__.endswith(".layers")
+            patched = model = use_fused_kernels(model, attention=False)
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         losses.append(loss.detach())
@@ -314,36 +312,22 @@ def test_use_fused_kernels_gemma(helper_families):
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    return patched
+
+
+def test_use_fused_kernels_gemma(helper_families):
+    """Gemma (1) names its MLP's activation `hidden_act` (Gemma-2/3: `hidden_activation`); the helper raised an
+    AttributeError on it."""
+    model = assert_helper_step_matches_stock(helper_families, "gemma", head_dim=16)
+    assert type(model.model.layers[0].mlp).kernel_layer_name == "GeGLUMLP"
+    assert model.model.norm.forward.__func__.__qualname__ == "GemmaRMSNorm.forward"
 
 
 @pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
 def test_use_fused_kernels_olmo(helper_families, model_type):
-    """OLMo-2/3 norms (named "RMSNorm" by transformers, like Llama's) get `OlmoRMSNorm`; with their own attention
-    (float32), a training step matches the stock model's."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(DEVICE).train()
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.normal_(0, 0.2)
-    patched = copy.deepcopy(reference)
-    input_ids = torch.randint(0, 128, (2, 12), device=DEVICE)
-    losses, grads = [], []
-    for model in (reference, patched):
-        if model is patched:  # after the reference's step: the RoPE swap is process-wide
-            model = helper_families(model, attention=False)
-            norm = model.model.layers[0].self_attn.q_norm
-            assert norm.forward.__func__.__qualname__ == "OlmoRMSNorm.forward"
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
-    for name, grad in grads[0].items():
-        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    """OLMo-2/3 norms (named "RMSNorm" by transformers, like Llama's) get `OlmoRMSNorm`."""
+    model = assert_helper_step_matches_stock(helper_families, model_type)
+    assert model.model.layers[0].self_attn.q_norm.forward.__func__.__qualname__ == "OlmoRMSNorm.forward"
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "granite"])
