@@ -291,6 +291,26 @@ def test_a_build_is_never_published_to_another_versions_branch(hub, env, source,
     assert {p for p in files(hub, "ep-support") if p.startswith("build/")} == local_files(built / "v2")
 
 
+@pytest.mark.parametrize("change", ["edited", "added", "removed"])
+def test_a_build_changed_after_it_was_built_is_refused(hub, env, source, built, tmp_path, change):
+    """Its metadata.json digest would no longer describe the files published under it (kernels never rehashes at
+    load; `verify-signature` would fail): refused before any request, naming the variant and the file."""
+    edited = copy_build(built / "v2", tmp_path / "edited", "torch-cpu", "torch-cuda")
+    target = edited / "torch-cuda" / "layers.py"
+    if change == "edited":
+        target.write_text(target.read_text() + "# hotfix\n")
+    elif change == "added":
+        (edited / "torch-cuda" / "extra.py").write_text("")
+    else:
+        target.unlink()
+    proc = publish(edited, source, env, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{edited / 'torch-cuda'}: the files differ from metadata.json's digest" in proc.stderr
+    assert ("extra.py" if change == "added" else "layers.py") in proc.stderr
+    with pytest.raises(RepositoryNotFoundError):
+        hub_api(hub).list_repo_refs(REPO_ID, repo_type="kernel")
+
+
 def test_a_dirty_build_needs_allow_dirty(hub, env, source, tmp_path):
     work = tmp_path / "work"
     subprocess.run(["git", "clone", "-q", str(source), str(work)], check=True)

@@ -83,6 +83,22 @@ def _variant_files(variant: Path) -> dict[str, bytes]:
     return files
 
 
+def _check_digest(variant: Path, metadata) -> None:
+    """The variant's files are the ones its metadata.json hashed, unchanged: a file edited, added or removed after
+    the build would be published under a digest that no longer describes it (kernels checks it only in
+    `verify-signature`, never at load). The full `check` takes seconds per build; hashing takes milliseconds."""
+    from kernels._rust import Digest, DigestAlgorithm, DigestValidationError
+
+    if metadata.digest is None:
+        raise ToolError(f"{variant / 'metadata.json'}: no digest; rebuild with the builder")
+    try:
+        metadata.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, variant))
+    except DigestValidationError as e:
+        listing = "; ".join(str(v) for v in e.violations)
+        raise ToolError(f"{variant}: the files differ from metadata.json's digest ({listing}); rebuild instead of "
+                        "editing a build") from None
+
+
 def load_build(build_dir: Path, source: Path) -> LocalBuild:
     """Every variant directory of `build_dir` (a directory holding metadata.json), checked for agreement."""
     from kernels._rust import Metadata
@@ -106,6 +122,7 @@ def load_build(build_dir: Path, source: Path) -> LocalBuild:
             metas[name] = Metadata.read_from_file(path / "metadata.json")
         except ValueError as e:
             raise ToolError(f"{path / 'metadata.json'}: {e}") from None
+        _check_digest(path, metas[name])
     for what, get in (("version", lambda m: m.version), ("name", lambda m: str(m.name)),
                       ("license", lambda m: m.license),
                       ("source commit", lambda m: (m.provenance.kernel.commit, m.provenance.kernel.dirty)
