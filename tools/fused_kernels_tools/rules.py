@@ -39,19 +39,19 @@ def _dotted(node: ast.expr, aliases: dict[str, str]) -> str | None:
     return ".".join(reversed(parts))
 
 
+def _is_torch_library_path(qualname: str) -> bool:
+    """torch.library itself or anything in it (or in torch._library)."""
+    return qualname == "torch.library" or qualname.startswith(("torch.library.", "torch._library"))
+
+
 def _is_torch_library(qualname: str | None, names: frozenset[str]) -> str | None:
     """The function name if `qualname` is one of `names` in torch.library (or torch._library.*)."""
     if not qualname:
         return None
     module, _, func = qualname.rpartition(".")
-    if func in names and (module == "torch.library" or module.startswith("torch._library")):
+    if func in names and _is_torch_library_path(module):
         return func
     return None
-
-
-def _is_torch_library_path(qualname: str) -> bool:
-    """torch.library itself or anything in it (or in torch._library)."""
-    return qualname == "torch.library" or qualname.startswith(("torch.library.", "torch._library"))
 
 
 def _has_string_literal(node: ast.expr) -> bool:
@@ -108,14 +108,15 @@ class _Module:
         while changed:  # a chain (`a = torch.library; b = a.custom_op`) resolves one link per pass
             changed = False
             for name, values in self.assignments.items():
+                if name in resolved:
+                    continue
                 for value in values:
-                    if name in resolved or not isinstance(value, (ast.Name, ast.Attribute)):
-                        continue
-                    qualname = _dotted(value, self.aliases)
+                    qualname = _dotted(value, self.aliases) if isinstance(value, (ast.Name, ast.Attribute)) else None
                     if qualname and _is_torch_library_path(qualname):
                         self.aliases[name] = qualname
                         resolved.add(name)
                         changed = True
+                        break
 
 
 def _op_name_problem(arg: ast.expr, module: _Module) -> str | None:
