@@ -28,10 +28,10 @@ from conftest import DEVICE, ON_GPU, REPO_ROOT
 if str(REPO_ROOT / "tools") not in sys.path:
     sys.path.insert(0, str(REPO_ROOT / "tools"))
 
-from fused_kernels_tools.integrate import use_fused_kernels  # noqa: E402
+from fused_kernels_tools.integrate import NORM_LAYERS, use_fused_kernels  # noqa: E402
 
 REPO = "myorg/fused-kernels"
-FAMILIES = ("llama", "qwen3", "mistral", "gemma2")
+FAMILIES = ("llama", "qwen3", "mistral", "gemma2", "gemma", "olmo2", "olmo3")
 STEPS = 30
 # max_step |ours - fp32| / fp32 <= ERROR_RATIO * max_step |stock bf16 - fp32| / fp32 + ERROR_FLOOR.
 ERROR_RATIO = 2.0
@@ -119,8 +119,9 @@ def loaded_kernel(model):
 
 def expected_calls(model, kernel_id):
     layers = model.config.num_hidden_layers
-    # Qwen3 also normalises q and k per head; Gemma-2 also normalises after attention and after the MLP.
-    norms_per_layer = 4 if model.config.model_type in ("qwen3", "gemma2") else 2
+    # Qwen3 also normalises q and k per head, OLMo-2/3 q and k whole; Gemma-2 also normalises after attention and
+    # after the MLP, OLMo-2/3 only there.
+    norms_per_layer = 4 if model.config.model_type in ("qwen3", "gemma2", "olmo2", "olmo3") else 2
     return {f"{kernel_id}.rms_norm": norms_per_layer * layers + 1, f"{kernel_id}._rope": layers,
             f"{kernel_id}.swiglu": layers, f"{kernel_id}._flash_attn": layers,
             f"{kernel_id}.fused_linear_cross_entropy": 1}
@@ -148,6 +149,8 @@ def run_parity(model_type, sizes, batch, seq, lr=3e-3, steps=STEPS):
     ours = use_fused_kernels(ours.train())
     kernel_id = loaded_kernel(ours)
     assert kernel_id.startswith("_fused_kernels_"), f"the final norm runs {kernel_id}, not our layer"
+    # The family's own norm numerics (OLMo's are named "RMSNorm" in transformers too, but are not Llama's).
+    assert ours.model.norm.forward.__func__.__qualname__ == f"{NORM_LAYERS[model_type]}.forward"
     if not ON_GPU:
         assert sys.modules[kernel_id].VARIANT == "torch-cpu", "kernels must select the torch-cpu variant on CPU"
     assert ours.config._attn_implementation == f"{REPO}@v2"
@@ -172,10 +175,11 @@ def test_training_loss_curve_matches_sdpa(build_dir, monkeypatch, stock_transfor
     run_parity(model_type, SMALL, batch=4, seq=32)
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "gemma2"])
+@pytest.mark.parametrize("model_type", ["mistral", "gemma2", "gemma", "olmo2", "olmo3"])
 def test_other_families_train_on_every_kernel(build_dir, monkeypatch, stock_transformers, model_type):
     """The helper's other families: sliding window (Mistral) and softcap, sandwich norms, Gemma RMSNorm and GeGLU
-    (Gemma-2, whose stock attention is eager)."""
+    (Gemma-2, whose stock attention is eager); Gemma (1), whose config names the activation `hidden_act` (the helper
+    raised an AttributeError on it); OLMo-2/3, whose norms take `OlmoRMSNorm`."""
     monkeypatch.setenv("LOCAL_KERNELS", f"{REPO}={build_dir}")
     run_parity(model_type, SMALL, batch=4, seq=32)
 
@@ -199,3 +203,18 @@ def test_attention_can_stay_the_models_own(build_dir, monkeypatch, stock_transfo
     expected = expected_calls(model, kernel_id)
     del expected[f"{kernel_id}._flash_attn"], expected[f"{kernel_id}.fused_linear_cross_entropy"]
     assert kernel_calls(loss) == expected
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "granite"])
+def test_other_model_types_are_refused(build_dir, monkeypatch, model_type):
+    """Model types whose modules the layers are not checked against are refused before any layer name is attached:
+    a mixture-of-experts block has no gate/up/down projections for the MLP layer (the helper attached it, then
+    kernelize or the first forward failed), and Granite's causal LM scales its logits, which the loss layer would
+    silently skip."""
+    monkeypatch.setenv("LOCAL_KERNELS", f"{REPO}={build_dir}")
+    model = make_model(model_type, SMALL)
+    names = lambda: {type(m): getattr(type(m), "kernel_layer_name", None) for m in model.modules()}  # noqa: E731
+    before = names()
+    with pytest.raises(ValueError, match=f"model type '{model_type}' is not one whose modules the layers"):
+        use_fused_kernels(model, attention=False)
+    assert names() == before
