@@ -209,12 +209,25 @@ def test_builds_are_byte_identical(source, build, tmp_path):
 
 
 def test_only_and_removal_of_stale_variants(source, tmp_path):
+    """A variant of ours that the matrix no longer produces goes; directories that are not ours stay."""
     out = tmp_path / "out"
-    stale = out / "torch299-cxx11-cu999-x86_64-linux"
-    stale.mkdir(parents=True)
-    (stale / "__init__.py").write_text("")
+
+    def variant_dir(name, metadata):
+        path = out / name
+        path.mkdir(parents=True)
+        (path / "__init__.py").write_text("")
+        if metadata is not None:
+            (path / "metadata.json").write_text(metadata)
+
+    variant_dir("torch299-cxx11-cu999-x86_64-linux", json.dumps({"name": "fused-kernels", "version": 1}))
+    kept = {"torch298-cxx11-cu999-x86_64-linux": json.dumps({"name": "another-kernel"}),  # another kernel's
+            "torch297-cxx11-cu999-x86_64-linux": None,  # no metadata: not a build's output
+            "torch296-cxx11-cu999-x86_64-linux": "[1]",  # not metadata
+            "my-notes": json.dumps({"name": "fused-kernels"})}  # not a variant name
+    for name, metadata in kept.items():
+        variant_dir(name, metadata)
     run_tool("build", "--source", str(source), "--out", str(out), "--only", "torch-cpu")
-    assert sorted(p.name for p in out.iterdir()) == ["torch-cpu"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(["torch-cpu", *kept])
 
     proc = run_tool("build", "--source", str(source), "--out", str(out), "--only", "torch299-cu999", check=False)
     assert proc.returncode != 0 and "torch299-cu999" in proc.stderr and "not produced by the matrix" in proc.stderr

@@ -66,10 +66,15 @@ def _max_err(a, b):
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 
 
-def check_rule(name, ours, pt, ref, factor):
+def check_rule(name, ours, pt, ref, factor, scale=0.0):
+    """FA's test rule: our error against the float32 reference within ``factor`` times PyTorch's in the input dtype,
+    plus rounding noise. ``scale``, the magnitude of the quantities the result is computed from, adds 8 float32
+    ulps of it to that noise: where the exact result cancels to 0, PyTorch's formula may give exactly 0 (a softmax
+    row over one key, whose dS = P * (dP - D) PyTorch returns as 0) and ours the rounding of the difference of
+    two float32 dot products, dP and D = rowsum(dO * O), summed in different orders."""
     assert torch.isfinite(ours).all(), f"{name}: non-finite values"
     ours_err, pt_err = _max_err(ours, ref), _max_err(pt, ref)
-    bound = factor * pt_err + _noise(ref.float()) + 1e-5
+    bound = factor * pt_err + _noise(ref.float()) + 1e-5 + 2**-20 * scale
     assert ours_err <= bound, f"{name}: max error {ours_err:.3e} > {factor} x PyTorch's {pt_err:.3e} + noise"
 
 
@@ -197,8 +202,9 @@ def run_and_check(fk, q, k, v, *, s_aux=None, layouts=("contiguous",) * 3, **opt
         outs[name] = out.detach()
         grads[name] = [a.grad for a in args] + ([sink.grad] if sink is not None else [])
     check_rule("out", outs["ours"], outs["pt"], outs["ref"], 2)
+    gradient_scale = max(_max_err(g, torch.zeros_like(g)) for g in grads["ref"])
     for label, ours, pt, ref in zip(("dq", "dk", "dv", "ds_aux"), grads["ours"], grads["pt"], grads["ref"]):
-        check_rule(label, ours, pt, ref, 3)
+        check_rule(label, ours, pt, ref, 3, gradient_scale)
 
 
 CASES = [
@@ -211,6 +217,7 @@ CASES = [
     (1, 20, 30, 2, 1, 16, {"softcap": 3.0}),
     (1, 17, 17, 1, 1, 8, {}),                           # the smallest head dim
     (1, 1, 19, 2, 2, 32, {"causal": True}),              # one query row (decoding)
+    (1, 133, 1, 4, 2, 128, {}),                          # one key: the exact dk is 0 (check_rule's scale)
 ]
 
 

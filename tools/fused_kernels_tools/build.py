@@ -135,14 +135,17 @@ def write_variant(dest: Path, variant: Variant, config: KernelConfig, revision: 
     Metadata.read_from_file(dest / "metadata.json")  # refuse to ship what kernels cannot parse
 
 
-def _is_variant_dir(path: Path) -> bool:
+def _is_our_variant_dir(path: Path, kernel_name: str) -> bool:
+    """Whether `path` is a variant of this kernel from an earlier build: a directory named as `kernels` names
+    variants whose metadata.json names this kernel. Anything else in the output directory (another kernel's
+    variants, a user's directory that happens to be called `torch-cpu`) is left alone."""
     if not path.is_dir() or path.name.startswith("."):
         return False
     try:
         parse_variant(path.name)
-    except ValueError:
-        return (path / "metadata.json").is_file()
-    return True
+        return json.loads((path / "metadata.json").read_text()).get("name") == kernel_name
+    except (ValueError, OSError, AttributeError):  # not a variant name; no or unreadable metadata; not an object
+        return False
 
 
 def _swap_in(new: Path, dest: Path, trash: Path) -> None:
@@ -192,7 +195,7 @@ def build(source: Path, out: Path, only: list[str] | None = None,
             _swap_in(staged / variant.name, out / variant.name, trash)
         produced = {v.name for v in variants}
         for entry in sorted(out.iterdir()):
-            if entry.name not in produced and _is_variant_dir(entry):
+            if entry.name not in produced and _is_our_variant_dir(entry, config.name):
                 os.rename(entry, trash / entry.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
