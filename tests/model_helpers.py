@@ -1,5 +1,7 @@
 """Shared by the tests that kernelize a tiny transformers model and compare it with the unpatched one."""
 
+import collections
+
 import torch
 
 from conftest import ON_GPU
@@ -30,3 +32,19 @@ def assert_same_step(logits, grads, ref_logits, ref_grads, dtype):
     torch.testing.assert_close(logits, ref_logits, **tol)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def kernel_calls(loss):
+    """Calls of our ops in the graph of `loss`: {kernel submodule (e.g. "<id>.rms_norm"): count}. Each op runs
+    as a torch.autograd.Function in eager mode, whose graph node records the Function's class."""
+    counts, seen, stack = collections.Counter(), set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        forward_cls = getattr(node, "_forward_cls", None)
+        if forward_cls is not None and forward_cls.__module__.startswith("_fused_kernels_"):
+            counts[forward_cls.__module__] += 1
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return counts

@@ -1,26 +1,26 @@
-"""One small forward call of every op on the GPU, shared by the host-synchronisation and CUDA-graph tests."""
+"""One small forward call of every op (on the GPU unless told), shared by the host-synchronisation, CUDA-graph and
+fake-tensor tests."""
 
 import torch
 
 
-def _rand(*shape, dtype=torch.bfloat16):
-    return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
-
-
-def op_cases(fk, dropout_p=0.1):
+def op_cases(fk, dropout_p=0.1, device="cuda"):
     """name -> (run, inputs): ``run()`` returns the tensors to differentiate (their sum's backward runs too);
     ``inputs`` are the tensors it reads, which a caller may overwrite in place between calls (int64: class
     targets in [0, 4000) or -100, ignored; int32: cu_seqlens of two sequences of 256 tokens, at most 156 long)."""
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
     tokens, hidden, vocab = 256, 512, 4000
-    x, w, residual = _rand(tokens, hidden), _rand(hidden), _rand(tokens, hidden)
-    q, k = _rand(2, 8, 128, 64), _rand(2, 2, 128, 64)
-    cos, sin = torch.randn(2, 128, 64, device="cuda"), torch.randn(2, 128, 64, device="cuda")
-    gate, up = _rand(tokens, 1024), _rand(tokens, 1024)
-    qa, ka, va = _rand(2, 128, 8, 64), _rand(2, 128, 2, 64), _rand(2, 128, 2, 64)
-    cu_seqlens = torch.tensor([0, 100, 256], device="cuda", dtype=torch.int32)
-    qv, kv, vv = _rand(256, 8, 64), _rand(256, 2, 64), _rand(256, 2, 64)
-    logits, target = _rand(tokens, vocab, dtype=torch.float32), torch.randint(0, vocab, (tokens,), device="cuda")
-    lm_head = (0.05 * torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16)).requires_grad_()
+    x, w, residual = rand(tokens, hidden), rand(hidden), rand(tokens, hidden)
+    q, k = rand(2, 8, 128, 64), rand(2, 2, 128, 64)
+    cos, sin = torch.randn(2, 128, 64, device=device), torch.randn(2, 128, 64, device=device)
+    gate, up = rand(tokens, 1024), rand(tokens, 1024)
+    qa, ka, va = rand(2, 128, 8, 64), rand(2, 128, 2, 64), rand(2, 128, 2, 64)
+    cu_seqlens = torch.tensor([0, 100, 256], device=device, dtype=torch.int32)
+    qv, kv, vv = rand(256, 8, 64), rand(256, 2, 64), rand(256, 2, 64)
+    logits, target = rand(tokens, vocab, dtype=torch.float32), torch.randint(0, vocab, (tokens,), device=device)
+    lm_head = (0.05 * torch.randn(vocab, hidden, device=device, dtype=torch.bfloat16)).requires_grad_()
     return {
         "rms_norm": (lambda: (fk.rms_norm(x, w),), [x, w]),
         "fused_add_rms_norm": (lambda: fk.fused_add_rms_norm(x, residual, w), [x, residual, w]),

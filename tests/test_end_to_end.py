@@ -15,7 +15,6 @@ module, so a run where nothing was swapped fails. On CPU the kernel comes from L
 the torch-cpu variant; on a GPU, the arch variant with the Triton kernels.
 """
 
-import collections
 import importlib
 import sys
 
@@ -24,6 +23,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import DEVICE, ON_GPU, REPO_ROOT
+from model_helpers import kernel_calls
 
 if str(REPO_ROOT / "tools") not in sys.path:
     sys.path.insert(0, str(REPO_ROOT / "tools"))
@@ -78,22 +78,6 @@ def synthetic_batch(vocab, batch, seq):
     the curve says something about the gradients."""
     generator = torch.Generator().manual_seed(1)
     return torch.randint(0, vocab, (batch, seq), generator=generator).to(DEVICE)
-
-
-def kernel_calls(loss):
-    """Calls of our ops in the graph of `loss`: {kernel submodule (e.g. "<id>.rms_norm"): count}. Each op runs
-    as a torch.autograd.Function in eager mode, whose graph node records the Function's class."""
-    counts, seen, stack = collections.Counter(), set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        forward_cls = getattr(node, "_forward_cls", None)
-        if forward_cls is not None and forward_cls.__module__.startswith("_fused_kernels_"):
-            counts[forward_cls.__module__] += 1
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return counts
 
 
 def train(model, input_ids, steps, lr, check_step=None):

@@ -39,9 +39,10 @@ def make_inputs(shape, dtype, with_bias=False, ignored_fraction=0.3, device=DEVI
 
 
 def check(fk, hidden, weight, bias, target, class_weight=None, *, chunk_tokens=CHUNK, k=None, algorithm=None,
-          **options):
+          frozen=(), **options):
     """Ours against the float64 reference, error-ratio bounded by an HF-style baseline (lm_head in the input
-    dtype, then fp32 cross-entropy). Returns (loss, grad_hidden, grad_weight, grad_bias)."""
+    dtype, then fp32 cross-entropy); the inputs named in ``frozen`` ("hidden", "weight", "bias") do not require
+    grad. Returns (loss, grad_hidden, grad_weight, grad_bias)."""
     dtype = hidden.dtype
     if k is None:  # the interpreter truncates fp32 -> bf16 where the GPU rounds (conftest)
         k = 2.0 if dtype != torch.bfloat16 or EXACT_BF16_ROUNDING else 3.0
@@ -49,13 +50,17 @@ def check(fk, hidden, weight, bias, target, class_weight=None, *, chunk_tokens=C
     opts.update(options)
     inputs = [hidden, weight] + ([bias] if bias is not None else [])
     before = [t.clone() for t in inputs]
-    h, w, b = leaf(hidden), leaf(weight), leaf(bias) if bias is not None else None
+    h, w, b = (t if t is None or name in frozen else leaf(t)
+               for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)))
     loss, z_loss = fk.fused_linear_cross_entropy(h, w, target, b, class_weight=class_weight, return_z_loss=True,
                                                  chunk_tokens=chunk_tokens, **opts, **(algorithm or {}))
     grad = torch.randn(loss.shape, device=loss.device)
     loss.backward(grad)
     assert all(torch.equal(x, y) for x, y in zip(before, inputs)), "an input was modified"
-    assert loss.dtype == torch.float32 and h.grad.dtype == dtype and w.grad.dtype == dtype
+    assert loss.dtype == torch.float32
+    for name, t in (("hidden", h), ("weight", w), ("bias", b)):
+        if t is not None:
+            assert (t.grad is None) == (name in frozen) and (t.grad is None or t.grad.dtype == dtype), name
 
     hr, wr, br = leaf(hidden.double()), leaf(weight.double()), leaf(bias.double()) if bias is not None else None
     loss_ref, z_ref = reference_float64(F.linear(hr, wr, br), target, class_weight, **opts)
@@ -64,16 +69,16 @@ def check(fk, hidden, weight, bias, target, class_weight=None, *, chunk_tokens=C
     loss_base = baseline(F.linear(hb, wb, bb), target, class_weight, **opts)
     loss_base.backward(grad)
 
+    grads = [None if t is None else t.grad for t in (h, w, b)]
     if not (target != -100).any():
-        assert not loss.any() and not h.grad.any() and not w.grad.any()
-        return loss, h.grad, w.grad, None
+        assert not loss.any() and not any(g.any() for g in grads if g is not None)
+        return loss, *grads
     assert_close_ratio("loss", loss, loss_base, loss_ref, k, torch.float32 if dtype == torch.float32 else dtype)
     assert rel_err(z_loss, z_ref) < (1e-5 if dtype == torch.float32 else 1e-2)
-    assert_close_ratio("dhidden", h.grad, hb.grad, hr.grad, k, dtype)
-    assert_close_ratio("dweight", w.grad, wb.grad, wr.grad, k, dtype)
-    if bias is not None:
-        assert_close_ratio("dbias", b.grad, bb.grad, br.grad, k, dtype)
-    return loss, h.grad, w.grad, b.grad if bias is not None else None
+    for name, ours, base, ref in zip(("dhidden", "dweight", "dbias"), grads, (hb, wb, bb), (hr, wr, br)):
+        if ours is not None:
+            assert_close_ratio(name, ours, base.grad, ref.grad, k, dtype)
+    return loss, *grads
 
 
 OPTION_GRID = list(itertools.product(REDUCTIONS, (0.0, 0.1), (False, True), (None, 5.0), (0.0, 1e-3)))
@@ -393,16 +398,16 @@ def test_single_token(fk, reduction):
     check(fk, hidden, weight, bias, target, reduction=reduction)
 
 
-def test_only_some_inputs_require_grad(fk):
-    hidden, weight, _, target = make_inputs(SHAPE, torch.float32)
-    w = leaf(weight)
-    fk.fused_linear_cross_entropy(hidden, w, target, chunk_tokens=CHUNK).backward()
-    wr = leaf(weight.double())
-    F.cross_entropy(F.linear(hidden.double(), wr).reshape(-1, weight.shape[0]), target.reshape(-1)).backward()
-    assert rel_err(w.grad, wr.grad) < 1e-5
-    h = leaf(hidden)
-    fk.fused_linear_cross_entropy(h, weight, target, chunk_tokens=CHUNK, reduction="none").sum().backward()
-    assert h.grad is not None
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("frozen", [("hidden",), ("weight",), ("weight", "bias"), ("hidden", "bias")], ids="+".join)
+def test_only_some_inputs_require_grad(fk, poisoned_empty, algorithm, reduction, frozen):
+    """A frozen LM head (fine-tuning below it), frozen hidden states (a probe on a frozen trunk): the gradients
+    that are asked for, against float64, and none of the others."""
+    torch.manual_seed(3)
+    hidden, weight, bias, target = make_inputs(SHAPE, torch.float32, with_bias=True)
+    check(fk, hidden, weight, bias, target, reduction=reduction, algorithm=ALGORITHMS[algorithm], frozen=frozen,
+          label_smoothing=0.1)
 
 
 def test_no_grad_forward_and_scaled_backward(fk):

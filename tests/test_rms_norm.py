@@ -201,6 +201,46 @@ def test_weight_of_another_dtype_promotes_in_llama_mode(fk):
     assert fk.rms_norm(x, weight, EPS, "plain").dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+@pytest.mark.parametrize("mode", ["llama", "plain"])
+def test_fp32_weight_with_half_inputs_forward_and_backward(fk, poisoned_empty, mode, dtype, with_residual):
+    """Half-precision activations with an fp32 weight (gpt-oss keeps its norm weights in fp32, as does training with
+    fp32 master weights): y, dx, dweight (fp32) and dresidual against float64 by the error-ratio rule, the baseline
+    being the replaced module in the input dtype (Llama's promotes to fp32; OLMo's, mode "plain", multiplies in fp32
+    and rounds once to the input dtype)."""
+    torch.manual_seed(5)
+    shape = SHAPES[-1] if ON_GPU else (9, 300)
+    x, _, residual = make_inputs(shape, dtype, False, with_residual)
+    weight = 1.0 + 0.5 * torch.randn(shape[-1], device=DEVICE)
+    out_dtype = torch.float32 if mode == "llama" else dtype
+    dy = torch.randn(shape, device=DEVICE, dtype=out_dtype)
+    d_res = torch.randn(shape, device=DEVICE, dtype=dtype) if with_residual else None
+    y, h, (dx, dw, dr) = run_ours(fk, x, weight, residual, mode, dy, d_res)
+    assert (y.dtype, dx.dtype, dw.dtype) == (out_dtype, dtype, torch.float32)
+
+    def baseline(x, weight, residual):
+        h = x if residual is None else x + residual
+        h32 = h.float()
+        normed = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + EPS)
+        return (weight * normed.to(dtype) if mode == "llama" else (weight * normed).to(dtype)), h
+
+    grads = {}
+    for name, fn, cast in (("ref", reference_float64, torch.Tensor.double), ("base", baseline, lambda t: t)):
+        xs, ws, rs = (leaf(cast(t)) if t is not None else None for t in (x, weight, residual))
+        y_out, h_out = fn(xs, ws, EPS, mode, rs) if name == "ref" else fn(xs, ws, rs)
+        torch.autograd.backward([y_out] + ([h_out] if with_residual else []),
+                                [dy.to(y_out.dtype)] + ([d_res.to(h_out.dtype)] if with_residual else []))
+        grads[name] = y_out.detach(), xs.grad, ws.grad, rs.grad if rs is not None else None
+    h64 = x.double() if residual is None else x.double() + residual.double()
+    dx_scale = (torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + EPS) * dy.double() * weight.double()).norm().item()
+    for index, name, ours, scale in ((0, "y", y, 0.0), (1, "dx", dx, dx_scale), (2, "dweight", dw, 0.0),
+                                     (3, "dresidual", dr, dx_scale)):
+        if ours is not None:
+            assert_close_ratio(name, ours, grads["base"][index], grads["ref"][index], 3.0 if index else 2.0, dtype,
+                               scale=scale)
+
+
 def test_empty_batch(fk):
     x = torch.randn(0, 3, 64, device=DEVICE, requires_grad=True)
     weight = torch.randn(64, device=DEVICE, requires_grad=True)

@@ -300,12 +300,17 @@ def test_packed_varlen_sequences(fk, poisoned_empty, convention):
         start += n
 
 
-def test_position_outside_the_cache_gives_nan_rows(fk):
+@pytest.mark.parametrize("variant", ["kernels", "torch-cpu"])
+@pytest.mark.parametrize("cache_size", [8, 0])
+def test_position_outside_the_cache_gives_nan_rows(fk, fk_cpu, variant, cache_size):
+    """Also with an empty cache, where every position is outside (the torch-cpu variant raised an IndexError)."""
+    module = fk if variant == "kernels" else fk_cpu
     cos_cache, sin_cache = cache_tables(8, 16, False, torch.float32)
+    cos_cache, sin_cache = cos_cache[:cache_size], sin_cache[:cache_size]
     position_ids = torch.tensor([[0, 3, 8, -1, 7]], device=DEVICE)
     q, k = make_qk(1, 5, 2, 1, 16, torch.float32)
-    q_out, k_out = fk.apply_rotary_pos_emb_cached(q, k, cos_cache, sin_cache, position_ids)
-    bad = torch.tensor([False, False, True, True, False], device=DEVICE)
+    q_out, k_out = module.apply_rotary_pos_emb_cached(q, k, cos_cache, sin_cache, position_ids)
+    bad = torch.tensor([False, False, True, True, False], device=DEVICE) | (cache_size == 0)
     for out in (q_out, k_out):
         assert out[:, :, bad].isnan().all() and out[:, :, ~bad].isfinite().all()
 
@@ -379,6 +384,34 @@ def test_inplace_refuses_elements_that_share_memory(fk):
         q_out, k_out = fk.apply_rotary_pos_emb(q_in, k_in, cos, sin)
         expected_q, expected_k = fk.apply_rotary_pos_emb(q_before, k_before, cos, sin)
         assert torch.equal(q_out, expected_q) and torch.equal(k_out, expected_k)
+
+
+@pytest.mark.parametrize("variant", ["kernels", "torch-cpu"])
+def test_inplace_on_inference_tensors_outside_inference_mode_is_refused(fk, fk_cpu, variant):
+    """As torch refuses ``t.mul_(2)`` on them, before anything is written (before the fix, q and k were rotated
+    and autograd refused afterwards; the torch-cpu variant left q rotated and k not)."""
+    module = fk if variant == "kernels" else fk_cpu
+    with torch.inference_mode():
+        q, k = make_qk(1, 3, 2, 1, 8, torch.float32)
+    q_before, k_before = q.clone(), k.clone()
+    cos, sin = angle_tables(1, 3, 8, False, torch.float32)
+    with pytest.raises(RuntimeError, match="q is an inference tensor"):
+        module.apply_rotary_pos_emb(q, k, cos, sin, inplace=True)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)
+    expected = module.apply_rotary_pos_emb(q, k, cos, sin)  # out of place they are fine, and in inference mode
+    with torch.inference_mode():
+        module.apply_rotary_pos_emb(q, k, cos, sin, inplace=True)
+    assert torch.equal(q, expected[0]) and torch.equal(k, expected[1])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_meta_tensors(fk, inplace):
+    """Shapes only: in place was refused as "q and k share memory" (every meta tensor's data pointer is 0)."""
+    q, k = (torch.empty(2, heads, 5, 8, device="meta") for heads in (4, 2))
+    cos = sin = torch.empty(1, 5, 8, device="meta")
+    q_out, k_out = fk.apply_rotary_pos_emb(q, k, cos, sin, inplace=inplace)
+    assert (q_out.shape, k_out.shape, q_out.device.type) == (q.shape, k.shape, "meta")
+    assert (q_out is q and k_out is k) == inplace
 
 
 @pytest.mark.parametrize("which", ["q", "k", "view_of_q"])
@@ -565,6 +598,12 @@ BAD_CACHED_INPUTS = [
     (lambda d: _ok_cached(d, q=torch.randn(4, 3, 16, device=d), k=torch.randn(5, 1, 16, device=d),
                           position_ids=torch.zeros(4, device=d, dtype=torch.int64)), ValueError,
      r"k must have q's number of tokens \(4\) as its first dimension, got shape \(5, 1, 16\)"),
+    (lambda d: _ok_cached(d, q=torch.randn(4, 3, 16, device=d), k=torch.randn(4, 1, 12, device=d),
+                          position_ids=torch.zeros(4, device=d, dtype=torch.int64)), ValueError,
+     r"k must have the head_dim of q \(16\), got 12 \(q \(4, 3, 16\), k \(4, 1, 12\)\)"),
+    (lambda d: _ok_cached(d, q=torch.randn(1, 3, 16, device=d).expand(4, 3, 16), k=torch.randn(4, 1, 16, device=d),
+                          position_ids=torch.zeros(4, device=d, dtype=torch.int64), inplace=True), ValueError,
+     r"q is written in place, but elements of it share memory \(shape \(4, 3, 16\)"),
 ]
 
 

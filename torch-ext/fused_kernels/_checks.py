@@ -3,6 +3,7 @@
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ._build_info import BACKEND
 
@@ -67,8 +68,9 @@ def check_writable_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tens
         if shares_elements(t):
             raise ValueError(f"{name} is written in place, but elements of it share memory (shape {tuple(t.shape)}, "
                              f"strides {t.stride()}: stride 0, as from expand()); pass {name}.clone()")
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.numel() == 0 or b.numel() == 0:
-        return
+    if (a.device.type == "meta" or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+            or a.numel() == 0 or b.numel() == 0):
+        return  # (meta tensors have no memory: every one's data pointer is 0)
     (a_start, a_end, a_gapless), (b_start, b_end, b_gapless) = _extent(a), _extent(b)
     if a_start == b_start or (a_gapless and b_gapless and a_start < b_end and b_start < a_end):
         raise ValueError(f"{name_a} and {name_b} are written in place but share memory; pass separate tensors")
@@ -102,7 +104,15 @@ def interpreting() -> bool:
     return _INTERPRETING
 
 
+def is_fake_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (``FakeTensorMode`` outside torch.compile, as torch's memory and runtime
+    estimators use it): shapes without memory. The type test first: it costs ~30 ns, ``is_fake`` ~1 us."""
+    return type(t) is not torch.Tensor and is_fake(t)
+
+
 def runs_triton(t: torch.Tensor) -> bool:
     """Whether an op on ``t`` runs the Triton kernels: in a CUDA variant, for CUDA tensors and, under the
-    interpreter, CPU tensors. Otherwise (the torch-cpu variant, CPU tensors) the op's PyTorch implementation runs."""
-    return BACKEND == "cuda" and (t.is_cuda or (t.device.type == "cpu" and interpreting()))
+    interpreter, CPU tensors. Otherwise (the torch-cpu variant, CPU tensors) the op's PyTorch implementation runs,
+    and so it does for fake tensors, which have no memory for a kernel to read."""
+    return (BACKEND == "cuda" and (t.is_cuda or (t.device.type == "cpu" and interpreting()))
+            and not is_fake_tensor(t))

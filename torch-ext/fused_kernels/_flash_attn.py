@@ -405,7 +405,9 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                    softmax_scale=softmax_scale, causal=bool(causal),
                    window_left=_integer("window_size[0]", window_size[0]),
                    window_right=_integer("window_size[1]", window_size[1]), softcap=_number("softcap", softcap))
-    if torch.compiler.is_compiling():
+    # Fake tensors take the op too: its fake kernel gives the shapes, where the PyTorch implementation (see
+    # runs_triton) would read the varlen offsets on the host, which fake tensors do not have.
+    if torch.compiler.is_compiling() or _checks.is_fake_tensor(q):
         out, lse, seed = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, **options, s_aux=s_aux)
     else:
         out, lse, seed = _EagerFlashAttn.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, s_aux, options)

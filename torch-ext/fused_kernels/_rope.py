@@ -132,6 +132,8 @@ def _torch_angles(table, position_ids, batch, seq, columns):
     table = table[..., columns].float()
     if position_ids is None:
         return table.expand(batch, seq, -1)[:, :, None, :]
+    if table.shape[0] == 0:  # an empty cache: every position is outside it
+        return table.new_full((batch, seq, 1, table.shape[-1]), float("nan"))
     positions = position_ids.long().expand(batch, seq)
     inside = (positions >= 0) & (positions < table.shape[0])
     rows = table[positions.clamp(0, table.shape[0] - 1)]
@@ -214,6 +216,12 @@ def _forward_inplace(q, k, cos, sin, position_ids, heads_dim, interleaved):
     # Not in _validate, whose result is cached by shape: the strides decide this. A shared element would be
     # rotated twice (expanded q, or k the same tensor as q), silently.
     _checks.check_writable_pair("q", q, "k", k)
+    if not torch.is_inference_mode_enabled():  # refused by autograd only after both were written
+        for name, t in (("q", q), ("k", k)):
+            if t.is_inference():
+                raise RuntimeError(f"{name} is an inference tensor (made under torch.inference_mode()) and cannot be "
+                                   f"rotated in place outside inference mode; rotate out of place, or under "
+                                   f"torch.inference_mode()")
     _rotate_into(q, k, q, k, cos, sin, position_ids, heads_dim, interleaved, False)
 # ----------------------------------------------------------------------------------------------------------
 # Ops (what torch.compile, export and opcheck see).
@@ -400,6 +408,11 @@ def apply_rotary_pos_emb_cached(q: torch.Tensor, k: torch.Tensor, cos_cache: tor
             if t.shape[0] != q.shape[0]:
                 raise ValueError(f"{name} must have q's number of tokens ({q.shape[0]}) as its first dimension, got "
                                  f"shape {tuple(t.shape)}")
+        if k.shape[2] != q.shape[2]:
+            raise ValueError(f"k must have the head_dim of q ({q.shape[2]}), got {k.shape[2]} (q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)})")
+        if inplace:
+            _checks.check_writable_pair("q", q, "k", k)
         # A batch of one sequence of all tokens: (1, tokens, heads, head_dim) views, positions (1, tokens).
         q_out, k_out = _apply(q[None], k[None], cos_cache, sin_cache, position_ids[None], 2, interleaved, inplace)
         return (q, k) if inplace else (q_out[0], k_out[0])

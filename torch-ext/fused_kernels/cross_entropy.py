@@ -402,8 +402,10 @@ class _EagerCrossEntropy(torch.autograd.Function):
                                                                grad_in_forward, inplace)
         ctx.opts, ctx.logits_shape, ctx.grad_in_forward = opts, logits.shape, grad_in_forward
         ctx.forward_grads = (dlogits,)
-        if dlogits is not None and dlogits.data_ptr() == logits.data_ptr():
-            # The caller's logits now hold the gradient: make autograd's saved-tensor checks see the write.
+        if dlogits is not None and dlogits._base is not None:
+            # A view, so of the caller's logits (_forward allocates a new buffer otherwise), which now hold the
+            # gradient: make autograd's saved-tensor checks see the write. (Not by data pointers, which fake tensors
+            # lack.)
             torch.autograd.graph.increment_version(logits)
         if needs_grad and not grad_in_forward:
             ctx.save_for_backward(logits, target, weight, row_stats, constants)
