@@ -223,6 +223,8 @@ def _forward_inplace(q, k, cos, sin, position_ids, heads_dim, interleaved):
                                    f"rotated in place outside inference mode; rotate out of place, or under "
                                    f"torch.inference_mode()")
     _rotate_into(q, k, q, k, cos, sin, position_ids, heads_dim, interleaved, False)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Ops (what torch.compile, export and opcheck see).
 # ----------------------------------------------------------------------------------------------------------
