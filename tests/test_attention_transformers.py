@@ -122,7 +122,8 @@ def check_rule(name, ours, stock, exact):
     of bf16 rounding, both relative to the largest magnitude."""
     scale = exact.abs().max().item() or 1.0
     ours_err, stock_err = ((t - exact).abs().max().item() / scale for t in (ours, stock))
-    assert ours_err <= 2 * stock_err + 2**-8, f"{name}: error {ours_err:.3e} against the stock bf16 model's {stock_err:.3e}"
+    assert ours_err <= 2 * stock_err + 2**-8, (
+        f"{name}: error {ours_err:.3e} against the stock bf16 model's {stock_err:.3e}")
 
 
 @pytest.mark.parametrize("kind", ["dense", "padding", "packed"])
