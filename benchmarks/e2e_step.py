@@ -25,6 +25,9 @@ peers' kernels of the same ops) and the top kernels, to attribute a missed targe
 
 On a machine without CUDA everything runs on the CPU (gloo for torchrun; the torch-cpu variant of ours): a smoke
 test with --models tiny-qwen3 and small --batch/--seq. Timings there are wall-clock and memory is not measured.
+
+Results go to --out: by default benchmarks/results/h200 (the committed results) for the default models on an H200,
+benchmarks/results/local/<device> (git-ignored) for any other run, which may not write into results/h200.
 """
 
 import argparse
@@ -559,7 +562,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--kernel-path", type=Path, help="a directory of built variants; default: build this checkout")
-    parser.add_argument("--out", type=Path, default=SCRIPT.parent / "results" / "h200")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/h200 for a full run on an H200 (the "
+                        "committed results), benchmarks/results/local/<device> otherwise")
     parser.add_argument("--nproc", type=int, help="scaling mode: the same step on 1 and NPROC GPUs under torchrun")
     parser.add_argument("--engines", nargs="+", choices=engines.ENGINES, default=["ddp"],
                         help="scaling mode: the engines of the multi-GPU runs (ddp, fsdp2)")
@@ -592,6 +596,7 @@ def main() -> None:
     if args.worker is not None:
         worker(args)
         return
+    args.out = harness.results_dir(args.out, smoke=not set(args.models) <= set(GPU_MODELS))
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fused_kernels_build_") as build_dir:
         kernel_path = (args.kernel_path or harness.build_variants(Path(build_dir))).resolve()

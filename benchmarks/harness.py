@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,11 @@ import triton
 from triton.testing import do_bench
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The committed results that the README cites: full runs on an H200 write there by default, any other run under
+# LOCAL_RESULTS_DIR (git-ignored), in a folder named after its device.
+H200_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results" / "h200"
+LOCAL_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results" / "local"
+H200_NAME = "NVIDIA H200"
 OURS = "fused_kernels"
 MODES = ("fwd", "fwd+bwd")
 WARMUP_MS = 25
@@ -468,6 +474,23 @@ def _progress_line(row: Row, case: Case) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # Results
+
+
+def results_dir(out: Path | None, smoke: bool = False) -> Path:
+    """Where a run writes its results: ``out`` (the scripts' ``--out``), by default ``H200_RESULTS_DIR`` for a full
+    run on an H200 and ``LOCAL_RESULTS_DIR/<device>[-smoke]`` for any other (``smoke``: a reduced grid or model).
+    Exits naming ``--out`` when a run that is not a full one on an H200 is pointed at ``H200_RESULTS_DIR``: its tables
+    would replace the ones the README cites."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    committed = device == H200_NAME and not smoke
+    if out is None:
+        slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") + ("-smoke" if smoke else "")
+        return H200_RESULTS_DIR if committed else LOCAL_RESULTS_DIR / slug
+    if out.resolve() == H200_RESULTS_DIR.resolve() and not committed:
+        run = "a smoke run" if smoke else f"a run on {device}"
+        raise SystemExit(f"--out {out} holds the committed {H200_NAME} results, which {run} must not replace: "
+                         f"leave --out out (results then go to {LOCAL_RESULTS_DIR}) or name another directory")
+    return out
 
 
 def run_header(env: Env, copy_gbps: float, gemm_tflops: float) -> dict:

@@ -1,10 +1,12 @@
 """Run the op benchmarks (`benchmarks/bench_<op>.py`) and write their results.
 
-    python benchmarks/run.py [--ops rms_norm ...] [--quick] [--out benchmarks/results/h200]
+    python benchmarks/run.py [--ops rms_norm ...] [--quick] [--out DIR]
 
 Builds the package from this checkout (or loads --kernel-path), checks every provider against a float32
 reference, times the ones that pass, writes <out>/<op>.json, <op>.md, <op>_time.png, <op>_memory.png (GPU
-only), and rebuilds <out>/summary.md from every op's latest <op>.json there. On a machine without CUDA it runs
+only), and rebuilds <out>/summary.md from every op's latest <op>.json there. <out>: by default
+benchmarks/results/h200 (the committed results) for a full run on an H200, benchmarks/results/local/<device>
+(git-ignored) for any other run, which may not write into results/h200. On a machine without CUDA it runs
 a slow smoke test: with TRITON_INTERPRET=1 our Triton kernels run in the interpreter, timing is wall-clock, and
 torch.compile and Liger are skipped.
 """
@@ -29,7 +31,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", nargs="+", choices=available_ops(), default=available_ops())
     parser.add_argument("--quick", action="store_true", help="a tiny grid, for a smoke test")
-    parser.add_argument("--out", type=Path, default=BENCHMARKS_DIR / "results" / "h200")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/h200 for a full run on an H200 (the "
+                        "committed results), benchmarks/results/local/<device> otherwise")
     parser.add_argument(
         "--kernel-path", type=Path, help="a directory of built variants (or one variant) instead of building now"
     )
@@ -39,6 +42,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    args.out = harness.results_dir(args.out, smoke=args.quick)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory(prefix="fused_kernels_build_") as build_dir:
         kernel_path = args.kernel_path or harness.build_variants(Path(build_dir))

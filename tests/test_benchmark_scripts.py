@@ -349,6 +349,45 @@ def test_rotated_input_sets_keep_every_mode_out_of_l2(monkeypatch, module_name):
                         or (count - 1) * moved >= 2 * harness.H200_L2_BYTES), (bench.op, case.shape, mode, count)
 
 
+@pytest.mark.parametrize("device, smoke, default, explicit_h200", [
+    ("NVIDIA H200", False, "h200", "allowed"),
+    ("NVIDIA H200", True, "local/nvidia-h200-smoke", "refused"),
+    ("NVIDIA H100 80GB HBM3", False, "local/nvidia-h100-80gb-hbm3", "refused"),
+    (None, False, "local/cpu", "refused"),
+    (None, True, "local/cpu-smoke", "refused"),
+])
+def test_only_full_h200_runs_write_the_committed_results(monkeypatch, tmp_path, device, smoke, default,
+                                                          explicit_h200):
+    """The README cites benchmarks/results/h200: a CPU smoke run of e2e_step.py with the default --out replaced its
+    H200 tables. Now only a full run on an H200 writes there (by default); any other run defaults to the git-ignored
+    results/local/<device>[-smoke], and pointing it at results/h200 exits naming --out."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))
+    import harness
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: device)
+    assert harness.results_dir(None, smoke=smoke) == BENCHMARKS_DIR / "results" / default
+    assert harness.results_dir(tmp_path, smoke=smoke) == tmp_path
+    if explicit_h200 == "allowed":
+        assert harness.results_dir(BENCHMARKS_DIR / "results" / "h200", smoke=smoke) == harness.H200_RESULTS_DIR
+    else:
+        with pytest.raises(SystemExit, match="--out .*committed NVIDIA H200 results"):
+            harness.results_dir(BENCHMARKS_DIR / "results" / ".." / "results" / "h200", smoke=smoke)
+
+
+@pytest.mark.parametrize("script, args", [("run.py", ["--ops", "rms_norm", "--quick"]),
+                                          ("e2e_step.py", ["--models", "tiny-qwen3", "--batch", "1", "--seq", "8"])])
+def test_smoke_runs_refuse_the_committed_results_before_any_work(script, args):
+    """Both scripts check --out first: a smoke run aimed at results/h200 exits at once (no build, no timing) and the
+    committed files stay as they are."""
+    before = {path.name: path.stat().st_mtime_ns for path in (BENCHMARKS_DIR / "results" / "h200").iterdir()}
+    proc = subprocess.run([sys.executable, script, *args, "--out", "results/h200"], cwd=BENCHMARKS_DIR,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "--out results/h200 holds the committed NVIDIA H200 results" in proc.stderr, (
+        proc.stdout + proc.stderr)
+    after = {path.name: path.stat().st_mtime_ns for path in (BENCHMARKS_DIR / "results" / "h200").iterdir()}
+    assert after == before
+
+
 def test_register_report_tile_overrides(monkeypatch):
     """`register_report.py --tile`: four to seven fields, the seventh the pass's launch switch (the forward's
     ``pipelined``, the dK/dV pass's ``group_loop``; the dQ pass has none), off unless given."""

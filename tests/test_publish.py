@@ -279,13 +279,17 @@ def test_builds_that_do_not_match_the_release_table_are_refused(hub, env, source
 
 def test_a_build_is_never_published_to_another_versions_branch(hub, env, source, built):
     """`--branch v1` with the v2 build replaced the frozen v1 (get_kernel(version=1) then loaded v2's code, API
-    and metadata version); `v02` would be a second branch that kernels reads as version 2."""
+    and metadata version); `v02` would be a second branch that kernels reads as version 2, and is refused as such
+    (the message once told the user to publish a version-2 build as version 2, which it was)."""
     publish(built / "v1", source, env)
     v1_head = heads(hub)["v1"]
-    for branch, read_as in (("v1", 1), ("v02", 2), ("v+1", 1)):
+    for branch, read_as in (("v1", 1), ("v+1", 1)):
         proc = publish(built / "v2", source, env, "--branch", branch, check=False)
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert f"--branch {branch} is version {read_as} to kernels, but" in proc.stderr
+    proc = publish(built / "v2", source, env, "--branch", "v02", check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "--branch v02 is another name of version 2 to kernels, whose branch is v2: publish" in proc.stderr
     assert heads(hub)["v1"] == v1_head and set(heads(hub)) == {"main", "v1"}
     publish(built / "v2", source, env, "--branch", "ep-support")  # not a version: consumers pass revision=
     assert {p for p in files(hub, "ep-support") if p.startswith("build/")} == local_files(built / "v2")

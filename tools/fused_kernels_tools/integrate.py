@@ -15,9 +15,10 @@ from kernels import (
 )
 
 
-# The layer that reproduces each supported model type's norms, which transformers names "RMSNorm" in all of them.
-# Other types are refused rather than guessed: one may compute differently under the same names (Granite scales its
-# logits; OLMo's norms multiply the weight in fp32, Llama's round before it).
+# The layer that reproduces each supported model type's norms, which transformers names "RMSNorm" (Gemma's get that
+# name below: transformers 5.22 gives them none). Other types are refused rather than guessed: one may compute
+# differently under the same names (Granite scales its logits; OLMo's norms multiply the weight in fp32, Llama's
+# round before it).
 NORM_LAYERS = {"llama": "RMSNorm", "qwen2": "RMSNorm", "qwen3": "RMSNorm", "mistral": "RMSNorm",
                "olmo2": "OlmoRMSNorm", "olmo3": "OlmoRMSNorm",
                "gemma": "GemmaRMSNorm", "gemma2": "GemmaRMSNorm", "gemma3_text": "GemmaRMSNorm"}
@@ -30,7 +31,8 @@ def use_fused_kernels(model, repo_id="myorg/fused-kernels", revision="v2", low_m
     Hub layers of `repo_id` at `revision`. Loads from the Hub, or from a local build through LOCAL_KERNELS.
     `low_memory_loss`: the loss uses fused linear cross-entropy's low-memory algorithm (more compute, no fp32
     weight-gradient buffer). `attention=False` keeps the model's own attention implementation (e.g. SDPA, whose
-    cuDNN backend PyTorch prefers on Hopper). Returns the model."""
+    cuDNN backend PyTorch prefers on Hopper; a float32 model without autocast needs it: flash attention takes
+    float16/bfloat16 q, k and v). Returns the model."""
     config = model.config
     norm = NORM_LAYERS.get(config.model_type)
     if norm is None:
@@ -47,9 +49,9 @@ def use_fused_kernels(model, repo_id="myorg/fused-kernels", revision="v2", low_m
     layers = {"RMSNorm": norm, "rotary_pos_emb": "ApplyRotaryPosEmb", mlp: mlp,
               "FusedLinearCrossEntropyForCausalLM": loss}  # model's name: our layer
 
-    # transformers declares "RMSNorm" (except on Gemma-2's norm) and "rotary_pos_emb" itself; the MLP and the
-    # causal-LM forward get layer names here. This sets class attributes (kernel_layer_name), which only
-    # matter to kernelize: models of these classes keep their forwards until they are kernelized.
+    # transformers declares "RMSNorm" (except on Gemma/Gemma-2/Gemma-3's norms) and "rotary_pos_emb" itself; those
+    # norms, the MLP and the causal-LM forward get layer names here. This sets class attributes (kernel_layer_name),
+    # which only matter to kernelize: models of these classes keep their forwards until they are kernelized.
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm") and getattr(module, "kernel_layer_name", None) is None:
             replace_kernel_forward_from_hub(type(module), "RMSNorm")

@@ -29,6 +29,7 @@ _CAUSAL_LMS = (
 LAYER_TABLE: dict[str, tuple[str, ...]] = {
     "RMSNorm": (
         "transformers.models.llama.modeling_llama.LlamaRMSNorm",
+        "transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm",
         "transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm",
         "transformers.models.mistral.modeling_mistral.MistralRMSNorm",
     ),
@@ -60,6 +61,7 @@ LAYER_TABLE: dict[str, tuple[str, ...]] = {
     "GeluTanhAndMul": ("fused_kernels_tools.reference_layers.GeluTanhAndMul",),
     "ApplyRotaryPosEmb": (
         "transformers.models.llama.modeling_llama.apply_rotary_pos_emb",
+        "transformers.models.qwen2.modeling_qwen2.apply_rotary_pos_emb",
         "transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb",
         "transformers.models.mistral.modeling_mistral.apply_rotary_pos_emb",
         "transformers.models.olmo2.modeling_olmo2.apply_rotary_pos_emb",

@@ -300,6 +300,10 @@ def _publish(options: Options, secrets: _Secrets) -> int:
     if read_as is not None and branch != f"v{build.version}":
         # get_kernel(version=N) would load this build (or pick between two branches of one version), whose
         # metadata and API are another version's: a frozen v1 overwritten by a v2 build, say.
+        if read_as == build.version:
+            # A second spelling of the build's own version: two branches kernels would pick between.
+            raise ToolError(f"--branch {branch} is another name of version {read_as} to kernels, whose branch is"
+                            f" v{build.version}: publish {options.build_dir} there (the default)")
         raise ToolError(f"--branch {branch} is version {read_as} to kernels, but {options.build_dir} is a build of"
                         f" version {build.version}: publish it to v{build.version} (the default), to a branch kernels"
                         f" does not read as a version, or rebuild it as version {read_as}")

@@ -1,8 +1,9 @@
 """fused-kernels: fused Triton kernels for LLM training, forward and backward.
 
-Load from the Hub with ``kernels.get_kernel("myorg/fused-kernels", version=1)``. Every function here is a
-registered torch op (``torch.compile(fullgraph=True)``-safe, with fake and autograd registrations);
-``layers`` holds the Hub layers that ``kernels.kernelize`` and transformers swap into models.
+Load from the Hub with ``kernels.get_kernel("myorg/fused-kernels", version=2, trust_remote_code=True)`` (version 1
+has the norm, rotary and activation kernels alone). Every function here is a registered torch op
+(``torch.compile(fullgraph=True)``-safe, with fake and autograd registrations); ``layers`` holds the Hub layers
+that ``kernels.kernelize`` and transformers swap into models.
 """
 
 from . import layers
