@@ -7,6 +7,7 @@ only fp16 runs: the interpreter multiplies bf16 dot operands wrongly (triton#115
 """
 
 import math
+import sys
 import unittest.mock
 
 import numpy
@@ -1101,6 +1102,27 @@ def test_window_with_edges_on_both_sides_of_whole_tiles(fk, poisoned_empty):
     seq, left = (700, 300) if ON_GPU else (70, 40)
     q, k, v = make_qkv(2, seq, seq, 4, 2, 32, torch.float16)
     run_and_check(fk, q, k, v, causal=True, window=(left, 0), softcap=5.0)
+
+
+@pytest.mark.parametrize("variant", ["fk", "fk_cpu"])
+@pytest.mark.parametrize("window", [(2**31 - 1, 2**31 - 1), (-1, 2**31 - 8), (2**40, 0), (sys.maxsize, sys.maxsize)])
+def test_windows_longer_than_any_sequence_are_unlimited(request, variant, window):
+    """A window bound past every sequence is unlimited, as -1 is (FlashAttention-2's rule: keys within
+    [i + s_k - s_q - left, i + s_k - s_q + right]). Bounds near 2**31 overflowed the kernels' int32 sums and hid every
+    key (zero outputs and gradients); sys.maxsize overflowed the torch-cpu variant's int64 ones."""
+    fk = request.getfixturevalue(variant)
+    torch.manual_seed(19)
+    q, k, v = make_qkv(1, 9, 7, 2, 1, 32, torch.float16)
+    dout = torch.randn_like(q)
+    results = []
+    for window_size in (window, tuple(-1 if bound > 0 else bound for bound in window)):
+        inputs = leaves(q, k, v)
+        out = fk.flash_attn_func(*inputs, window_size=window_size)
+        out.backward(dout)
+        results.append([out, *(t.grad for t in inputs)])
+    assert results[0][0].abs().sum() > 0
+    for name, got, unlimited in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(got, unlimited), f"{name} with window_size={window} differs from the unlimited window's"
 
 
 @pytest.mark.skipif(not ON_GPU, reason="65,600 heads of programs are too many for the CPU interpreter")

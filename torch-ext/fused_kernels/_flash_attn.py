@@ -101,9 +101,11 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, sof
 
 
 def _window(causal: bool, window_left: int, window_right: int) -> tuple[int, int]:
-    """(left, right) bounds for the kernels: -1 becomes unlimited and causal caps the right side at 0."""
-    left = _UNLIMITED if window_left < 0 else window_left
-    right = _UNLIMITED if window_right < 0 else window_right
+    """(left, right) bounds for the kernels: -1 becomes unlimited and causal caps the right side at 0. A bound past
+    ``_UNLIMITED`` (longer than any sequence: unlimited too) becomes it, whose sums with row positions fit int32; one
+    near 2**31 overflowed them and hid every key (zero outputs and gradients)."""
+    left = _UNLIMITED if window_left < 0 else min(window_left, _UNLIMITED)
+    right = _UNLIMITED if window_right < 0 else min(window_right, _UNLIMITED)
     return left, 0 if causal else right
 
 
