@@ -1125,6 +1125,26 @@ def test_windows_longer_than_any_sequence_are_unlimited(request, variant, window
         assert torch.equal(got, unlimited), f"{name} with window_size={window} differs from the unlimited window's"
 
 
+@pytest.mark.parametrize("variant", ["fk", "fk_cpu"])
+def test_double_backward_is_refused(request, variant):
+    """The gradients have no autograd graph of their own (the kernels record nothing; the PyTorch implementation takes
+    detached inputs): a first backward with create_graph=True gives the right gradients, a backward through them
+    raises. A gradient penalty through attention once silently lost every attention term (kernels: dq without a
+    graph, the penalty's gradient 2q) or got them wrong (torch-cpu)."""
+    fk = request.getfixturevalue(variant)
+    device = DEVICE if variant == "fk" else "cpu"
+    torch.manual_seed(20)
+    q, k, v = (t.to(device) for t in make_qkv(1, 6, 5, 2, 1, 16, torch.float16))
+    x = leaves(q, k, v)
+    dq, dk, dv = torch.autograd.grad(fk.flash_attn_func(*x, causal=True).pow(2).sum(), x, create_graph=True)
+    x64 = leaves(*(t.double() for t in (q, k, v)))
+    expected = torch.autograd.grad(reference(*x64, causal=True, upcast=False).pow(2).sum(), x64)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2, msg=f"{name} of the first backward")
+    with pytest.raises(RuntimeError, match="flash_attn: double backward is not supported"):
+        (dq.float().pow(2).sum() + dk.float().sum()).backward()
+
+
 @pytest.mark.skipif(not ON_GPU, reason="65,600 heads of programs are too many for the CPU interpreter")
 @pytest.mark.usefixtures("tile_form")
 def test_more_batch_heads_than_a_grid_axis_holds(fk):

@@ -18,7 +18,8 @@ Determinism: the backward uses no atomics (dK/dV and dQ are separate passes), so
 reproducible whatever ``deterministic`` says. Dropout masks come from a counter-based RNG whose seed is
 drawn on the device from PyTorch's generator and saved for the backward.
 
-Not supported (``NotImplementedError``): ``alibi_slopes``, ``block_table`` (paged KV).
+Not supported (``NotImplementedError``): ``alibi_slopes``, ``block_table`` (paged KV). Double backward raises
+(``refuses_double_backward``).
 """
 
 import math
@@ -27,6 +28,7 @@ import operator
 import torch
 
 from . import _checks
+from ._autograd import refuses_double_backward
 from ._build_info import BACKEND
 from ._launch_config import pick
 from ._ops import add_op_namespace_prefix
@@ -361,6 +363,7 @@ class _EagerFlashAttn(torch.autograd.Function):
         return out, lse, seed
 
     @staticmethod
+    @refuses_double_backward("flash_attn")
     def backward(ctx, dout, _dlse, _dseed):
         if dout is None:  # a consumer of out returned no gradient for it: zero gradients, as None tells autograd
             return (None,) * 7

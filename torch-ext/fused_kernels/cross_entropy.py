@@ -30,13 +30,13 @@ implementation of the same function runs (the ``torch-cpu`` variant). The helper
 ``loss_rows`` and ``scale_`` are shared with fused linear cross-entropy.
 """
 
-import functools
 import math
 from typing import NamedTuple
 
 import torch
 
 from . import _checks
+from ._autograd import refuses_double_backward
 from ._build_info import BACKEND
 from ._launch_config import multiprocessor_count, pick
 from ._ops import add_op_namespace_prefix
@@ -237,42 +237,6 @@ def take_forward_grads(ctx, op_name: str, grad_loss: torch.Tensor) -> tuple:
         if g is not None and g.numel():  # an empty one (hidden size 0) has nothing to scale, nor a view(-1, 0)
             scale_(g.view(-1, g.shape[-1]) if g.dim() > 1 else g, grad_loss)
     return grads
-
-
-class _RefusesDifferentiation(torch.autograd.Function):
-    """The identity on a gradient that was computed without an autograd graph; its backward raises."""
-
-    @staticmethod
-    def forward(ctx, grad, op_name):
-        ctx.op_name = op_name
-        return grad.view_as(grad)
-
-    @staticmethod
-    def backward(ctx, _):
-        raise RuntimeError(f"{ctx.op_name}: double backward is not supported (its gradients are computed without an "
-                           "autograd graph, so they cannot be differentiated)")
-
-
-def refuses_double_backward(op_name: str):
-    """Decorates an autograd.Function's ``backward``: it runs without recording a graph, and under
-    ``create_graph=True`` each gradient it returns goes through ``_RefusesDifferentiation``, so a backward through
-    it raises. Otherwise a second derivative silently lacked this op's terms (the kernels record nothing; the
-    torch-cpu formulas, recorded, treat the forward's log-sum-exp as a constant), and the fused linear recomputation
-    failed in its ``out=`` GEMMs. torch's ``once_differentiable`` marks the gradients only when the incoming
-    gradients require grad, which after ``loss.sum()`` they do not. The marked gradients hold no edge to the op's
-    inputs (that would mean saving the logits), so ``torch.autograd.grad`` with respect to those inputs reports them
-    unused rather than reaching the error."""
-    def decorate(backward):
-        @functools.wraps(backward)
-        def wrapper(ctx, *grad_outputs):
-            with torch.no_grad():
-                grads = backward(ctx, *grad_outputs)
-            if not torch.is_grad_enabled():  # create_graph=False
-                return grads
-            return tuple(_RefusesDifferentiation.apply(g.detach().requires_grad_(), op_name) if g is not None else None
-                         for g in grads)
-        return wrapper
-    return decorate
 
 
 def reduce_rows(rows: torch.Tensor, opts: LossOptions, shape) -> torch.Tensor:

@@ -68,8 +68,9 @@ contributes to it.
 import torch
 
 from . import _checks
-from .cross_entropy import (LossOptions, loss_constants, loss_rows, new_row_stats, reduce_rows, refuses_double_backward,
-                            take_forward_grads, validate_options, validate_target_and_weight)
+from ._autograd import refuses_double_backward
+from .cross_entropy import (LossOptions, loss_constants, loss_rows, new_row_stats, reduce_rows, take_forward_grads,
+                            validate_options, validate_target_and_weight)
 from ._ops import add_op_namespace_prefix
 
 # Default budget for the token-chunked path's (chunk, vocab) logits buffer.
