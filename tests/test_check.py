@@ -272,6 +272,26 @@ def test_arch_variant_without_archs_and_version_disagreement(build, tmp_path):
                for p in problems)
 
 
+@pytest.mark.parametrize("variant, archs, refused", [
+    ("torch211-cxx11-cu130-x86_64-linux", ["8.0"], "Hopper GPUs (capability 9.0)"),
+    ("torch211-cxx11-cu130-x86_64-linux", ["9.0a", "10.0"], "Ampere GPUs (capability 8.0)"),
+    ("torch211-cxx11-cu130-x86_64-linux", ["8.0", "9.0"], "Blackwell GPUs (capability 10.0)"),
+    ("torch211-cxx11-cu126-x86_64-linux", ["8.0", "8.6"], "Hopper GPUs (capability 9.0)"),
+])
+def test_archs_that_make_check_arch_refuse_a_supported_gpu(build, tmp_path, variant, archs, refused):
+    """kernels' check_arch reads a plain "X.Y" as X.Y and up within major X, "X.Ya" as X.Y alone: archs that leave
+    out a generation the variant's CUDA supports make get_kernel refuse those GPUs (the contract's pitfall 17). The
+    build declares the right ones; check passed a variant edited to ["8.0"] (refused on H100/H200 and B200)."""
+    out = copy_variants(build, tmp_path / "build", variant)
+    metadata = read_metadata(out / variant)
+    metadata["backend"]["archs"] = archs
+    write_metadata(out / variant, metadata)
+    rehash(out / variant)
+    problems = static_problems(out)
+    assert any(p.startswith(f"{variant}/metadata.json: archs {archs} make kernels' check_arch refuse {refused}")
+               for p in problems), problems
+
+
 def test_stray_entries_in_the_build_directory(cpu_build):
     (cpu_build / "README.md").write_text("")
     (cpu_build / "cuda").mkdir()

@@ -291,8 +291,26 @@ def test_a_build_is_never_published_to_another_versions_branch(hub, env, source,
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "--branch v02 is another name of version 2 to kernels, whose branch is v2: publish" in proc.stderr
     assert heads(hub)["v1"] == v1_head and set(heads(hub)) == {"main", "v1"}
+    proc = publish(built / "v2", source, env, "--branch", "main", check=False)  # the card's branch, never builds
+    assert proc.returncode == 1 and "--branch main holds the repository card alone" in proc.stderr, proc.stderr
     publish(built / "v2", source, env, "--branch", "ep-support")  # not a version: consumers pass revision=
     assert {p for p in files(hub, "ep-support") if p.startswith("build/")} == local_files(built / "v2")
+    assert set(heads(hub)) == {"main", "v1", "ep-support"} and not any(p.startswith("build/") for p in files(hub, "main"))
+
+
+@pytest.mark.parametrize("copy_as", ["torch-universal", "torch-cuda12"])
+def test_a_variant_directory_renamed_after_the_build_is_refused(hub, env, source, built, tmp_path, copy_as):
+    """kernels selects a variant by its directory's name and the digest covers only the files, so a copy of
+    torch-cpu named torch-universal (loaded on every backend) or of torch-cuda named torch-cuda12 (never selected)
+    passed as a valid build: refused before any request, naming what it was built as."""
+    edited = copy_build(built / "v2", tmp_path / "edited", "torch-cpu", "torch-cuda")
+    original = "torch-cpu" if copy_as == "torch-universal" else "torch-cuda"
+    shutil.copytree(edited / original, edited / copy_as)
+    proc = publish(edited, source, env, "--dry-run", check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{edited / copy_as}: built as variant {original!r}; a variant directory renamed" in proc.stderr
+    with pytest.raises(RepositoryNotFoundError):
+        heads(hub)
 
 
 @pytest.mark.parametrize("change", ["edited", "added", "removed"])

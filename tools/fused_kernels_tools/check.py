@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernels._rust import Digest, DigestAlgorithm, DigestValidationError, Metadata
-from kernels.archs import _parse_cuda_arch
+from kernels.archs import _parse_cuda_arch, _supports_cuda_capability
 from kernels.python_deps import _DEPENDENCY_DATA, validate_variant_dependencies
 from kernels.variants import ArchVariant, parse_variant
 
@@ -74,6 +74,16 @@ def _constants(path: Path) -> dict[str, object]:
     return values
 
 
+# The GPUs every CUDA arch variant must load on (check_arch accepts a plain "X.Y" arch on capabilities X.Y and up of
+# major X), by the first CUDA version that supports them.
+_REQUIRED_GPUS = (("Ampere", (8, 0), (11, 0)), ("Hopper", (9, 0), (11, 8)), ("Blackwell", (10, 0), (12, 8)))
+
+
+def _required_capabilities(cuda_version) -> list[tuple[str, tuple[int, int]]]:
+    return [(gpu, capability) for gpu, capability, since in _REQUIRED_GPUS
+            if (cuda_version.major, cuda_version.minor) >= since]
+
+
 def _check_metadata(report: VariantReport) -> None:
     path = report.path / "metadata.json"
     if not path.is_file():
@@ -102,6 +112,12 @@ def _check_metadata(report: VariantReport) -> None:
         for arch in archs:
             if _parse_cuda_arch(arch) is None:
                 report.add("metadata.json", f"arch {arch!r} is not a CUDA capability check_arch understands")
+        if variant.arch.backend.name == "cuda":
+            for gpu, capability in _required_capabilities(variant.arch.backend.version):
+                if not _supports_cuda_capability(archs, capability):
+                    report.add("metadata.json", f"archs {archs} make kernels' check_arch refuse {gpu} GPUs "
+                                                f"(capability {capability[0]}.{capability[1]}), which CUDA "
+                                                f"{variant.arch.backend.version} supports")
     else:
         if report.backend != variant.arch.backend_name:
             report.add("metadata.json", f"backend type {report.backend!r} does not match the variant name ({variant.arch.backend_name})")

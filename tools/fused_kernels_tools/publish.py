@@ -99,6 +99,13 @@ def _check_digest(variant: Path, metadata) -> None:
                         "editing a build") from None
 
 
+def _built_variant_name(variant: Path) -> str | None:
+    """The variant name the builder wrote into ``_build_info.py`` (None where there is none)."""
+    info = variant / "_build_info.py"
+    found = re.search(r'^VARIANT = "([^"]*)"$', info.read_text(), re.MULTILINE) if info.is_file() else None
+    return found.group(1) if found else None
+
+
 def load_build(build_dir: Path, source: Path) -> LocalBuild:
     """Every variant directory of `build_dir` (a directory holding metadata.json), checked for agreement."""
     from kernels._rust import Metadata
@@ -113,6 +120,12 @@ def load_build(build_dir: Path, source: Path) -> LocalBuild:
                 parse_variant(entry.name)
             except ValueError as e:
                 raise ToolError(f"{entry}: not a variant name kernels can select ({e})") from None
+            built_as = _built_variant_name(entry)
+            if built_as != entry.name:
+                # kernels selects a variant by its directory's name: a copy named torch-universal would load the CPU
+                # build on every backend, one named torch-cuda12 never. Its digest cannot tell (it covers the files).
+                raise ToolError(f"{entry}: built as variant {built_as!r}; a variant directory renamed or copied after "
+                                "the build is not published (rebuild instead)")
             variants[entry.name] = entry
     if not variants:
         raise ToolError(f"{build_dir}: no build variants (directories with a metadata.json)")
@@ -296,6 +309,9 @@ def _publish(options: Options, secrets: _Secrets) -> int:
     build = load_build(options.build_dir, source)
     repo_id = options.repo_id or default_repo_id(source)
     branch = options.branch or f"v{build.version}"
+    if branch == "main":
+        raise ToolError("--branch main holds the repository card alone (kernels reads builds from version branches and "
+                        f"custom ones): publish {options.build_dir} to v{build.version} (the default) or another branch")
     read_as = kernels_version(branch)
     if read_as is not None and branch != f"v{build.version}":
         # get_kernel(version=N) would load this build (or pick between two branches of one version), whose
