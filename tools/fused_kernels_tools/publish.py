@@ -99,17 +99,12 @@ def _check_digest(variant: Path, metadata) -> None:
                         "editing a build") from None
 
 
-def _built_variant_name(variant: Path) -> str | None:
-    """The variant name the builder wrote into ``_build_info.py`` (None where there is none)."""
-    info = variant / "_build_info.py"
-    found = re.search(r'^VARIANT = "([^"]*)"$', info.read_text(), re.MULTILINE) if info.is_file() else None
-    return found.group(1) if found else None
-
-
 def load_build(build_dir: Path, source: Path) -> LocalBuild:
     """Every variant directory of `build_dir` (a directory holding metadata.json), checked for agreement."""
     from kernels._rust import Metadata
     from kernels.variants import parse_variant
+
+    from .check import generated_constants
 
     if not build_dir.is_dir():
         raise ToolError(f"{build_dir}: no such build directory")
@@ -120,7 +115,8 @@ def load_build(build_dir: Path, source: Path) -> LocalBuild:
                 parse_variant(entry.name)
             except ValueError as e:
                 raise ToolError(f"{entry}: not a variant name kernels can select ({e})") from None
-            built_as = _built_variant_name(entry)
+            build_info = entry / "_build_info.py"
+            built_as = generated_constants(build_info).get("VARIANT") if build_info.is_file() else None
             if built_as != entry.name:
                 # kernels selects a variant by its directory's name: a copy named torch-universal would load the CPU
                 # build on every backend, one named torch-cuda12 never. Its digest cannot tell (it covers the files).
