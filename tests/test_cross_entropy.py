@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import DEVICE, ON_GPU, GivesNoGradient
+from conftest import DEVICE, EXACT_BF16_ROUNDING, ON_GPU, GivesNoGradient
 from numerics import assert_close_ratio, rel_err
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -386,6 +386,53 @@ def test_gradient_scaling_walks_every_block(fk, scale_value):
     want = x * scale_value
     fk._kernels.cross_entropy.scale_(x, scale, block=8, num_warps=1, num_programs=4)
     assert torch.equal(x, want)
+
+
+def _entries_off(grad, want, tolerance=0.1):
+    """How many entries of ``grad`` are more than ``tolerance`` off the float64 ``want`` (relative; zeros included)."""
+    return ((grad.double() - want).abs() > tolerance * want.abs()).sum().item()
+
+
+@pytest.mark.parametrize("variant", ["kernels", "torch-cpu"])
+def test_fp16_gradient_under_a_loss_scale(fk, fk_cpu, variant):
+    """fp16 logits under a GradScaler-sized loss scale keep every gradient entry that torch's fp32 math keeps: the
+    scale is applied before the gradient is rounded (rounded first, divided by the token count, the small
+    probabilities underflowed to 0), and in fp32 (65536 is inf in fp16)."""
+    module = fk if variant == "kernels" else fk_cpu
+    device = DEVICE if variant == "kernels" else "cpu"
+    torch.manual_seed(7)
+    n_tokens, vocab = (8192, 1000) if ON_GPU and variant == "kernels" else (1024, 64)
+    logits = (2 * torch.randn(n_tokens, vocab, device=device)).half()
+    target = torch.randint(0, vocab, (n_tokens,), device=device)
+    for scale in (2.0**15, 2.0**16):
+        reference = leaf(logits.double())
+        torch.nn.functional.cross_entropy(reference, target).backward()
+        want = reference.grad * scale
+        ours, torch_fp32 = leaf(logits), leaf(logits)
+        (module.cross_entropy(ours, target) * scale).backward()
+        (torch.nn.functional.cross_entropy(torch_fp32.float(), target) * scale).backward()
+        assert ours.grad.isfinite().all()
+        # Subnormal entries hold a few bits: a last-bit difference in the fp32 math puts one 10% off.
+        assert _entries_off(ours.grad, want) <= 1.2 * _entries_off(torch_fp32.grad, want) + 1e-3 * want.numel()
+
+
+@pytest.mark.parametrize("variant", ["kernels", "torch-cpu"])
+def test_bf16_gradient_scaled_in_fp32(fk, fk_cpu, variant):
+    """A bf16 gradient computed in the forward and scaled by an incoming gradient that bf16 cannot hold (1/3) is
+    scaled in fp32: no bias from a rounded scale against the gradient computed with the scale folded in (reduction
+    "none"). On the GPU only for the kernels: the CPU interpreter truncates to bf16 instead of rounding, a bias of
+    its own."""
+    if variant == "kernels" and not EXACT_BF16_ROUNDING:
+        pytest.skip("the interpreter truncates fp32 to bf16")
+    module = fk if variant == "kernels" else fk_cpu
+    device = DEVICE if variant == "kernels" else "cpu"
+    logits, target = make_inputs((512, 300), torch.bfloat16, device=device)
+    mean, none = leaf(logits), leaf(logits)
+    (module.cross_entropy(mean, target) / 3).backward()
+    (module.cross_entropy(none, target, reduction="none").sum()
+     / (target != -100).sum() / 3).backward()
+    ratio = mean.grad.float().abs().sum() / none.grad.float().abs().sum()
+    assert abs(ratio.item() - 1) < 5e-4
 
 
 def test_z_loss_output_and_a_loss_without_gradient(fk):

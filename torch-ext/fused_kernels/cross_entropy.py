@@ -14,14 +14,14 @@ gives NaN). ``"sum"`` adds them, ``"none"`` returns one loss per token (0 for ig
 ``[0, vocab)`` that is not ``ignore_index`` makes its token's loss and gradient NaN (documented, device-side,
 never an out-of-bounds access): the loss turns NaN.
 
-Gradient traffic. In eager mode with reduction mean/sum, when the logits require grad, the gradient is
+Gradient traffic. In eager mode with reduction mean/sum, when bf16 or fp32 logits require grad, the gradient is
 written during the forward pass (the row is re-read from L2 right after its log-sum-exp), so the backward only
 multiplies it by the incoming gradient, in place, and skips even that on the device when the incoming
 gradient is exactly 1 (``loss.backward()``). That buffer is the only extra memory. A second backward through
 the same graph is refused (the buffer was consumed). With ``inplace_backward=True`` the gradient overwrites
 the caller's logits instead (their autograd version is bumped, so an op that saved them raises rather than
-computing a wrong gradient); by default the logits are never written. Reduction ``"none"``, and every
-reduction under ``torch.compile``, keeps the forward pure: it saves the per-token log-sum-exp and the
+computing a wrong gradient); by default the logits are never written. Reduction ``"none"``, fp16 logits
+(``gradients_in_forward``) and every reduction under ``torch.compile`` keep the forward pure: it saves the per-token log-sum-exp and the
 backward computes the gradient with the per-token incoming gradient folded in (one read, one write). The
 gradient has no autograd graph of its own, so double backward raises (``refuses_double_backward``).
 
@@ -216,13 +216,28 @@ def new_row_stats(n_rows: int, device) -> torch.Tensor:
 
 
 def scale_(t: torch.Tensor, scale: torch.Tensor) -> None:
-    """``t *= scale`` in place (``scale`` a one-element tensor); free on the GPU when ``scale`` is exactly 1."""
+    """``t *= scale`` in place (``scale`` a one-element tensor), multiplied in fp32 and rounded once (a scale
+    rounded to fp16 first overflows from 65504, GradScaler's 65536 included; to bf16, it is off by up to 0.4% for
+    every element); free on the GPU when ``scale`` is exactly 1."""
     if _checks.runs_triton(t):
         config = pick(_CONFIG_FAMILY, "scale", t.device, t.shape[-1] if t.dim() else 1)
         _triton_ce.scale_(t, scale, block=config["block_cols"], num_warps=config["num_warps"],
                           num_programs=config["programs_per_sm"] * multiprocessor_count(t.device))
+    elif t.dtype == torch.float32:
+        t.mul_(scale.float())
     else:
-        t.mul_(scale.to(t.dtype))
+        t.copy_(t.float().mul_(scale.float()))
+
+
+def gradients_in_forward(reduction: str, dtype: torch.dtype) -> bool:
+    """Whether a loss over inputs of ``dtype`` computes its gradients in the forward (then scaled by the incoming
+    gradient): reductions mean and sum, except in fp16. An fp16 gradient rounded before that scale loses what
+    torch keeps: with "mean" each entry is divided by the token count first, so under a GradScaler's loss scale
+    (which exists because fp16 underflows) probabilities below about 6e-8 x tokens become 0 instead of scale /
+    tokens times themselves; fp16 computes the gradient in the backward, with the incoming gradient folded in
+    before its single rounding. bf16 and fp32 have fp32's exponent range: a gradient other than 1 costs them one
+    more rounding, no underflow."""
+    return reduction != "none" and dtype != torch.float16
 
 
 def take_forward_grads(ctx, op_name: str, grad_loss: torch.Tensor) -> tuple:
@@ -361,7 +376,7 @@ class _EagerCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, weight, opts, return_z_loss, needs_grad, inplace):
-        grad_in_forward = needs_grad and opts.reduction != "none"
+        grad_in_forward = needs_grad and gradients_in_forward(opts.reduction, logits.dtype)
         loss, z_loss, row_stats, constants, dlogits = _forward(logits, target, weight, opts, return_z_loss,
                                                                grad_in_forward, inplace)
         ctx.opts, ctx.logits_shape, ctx.grad_in_forward = opts, logits.shape, grad_in_forward
@@ -416,7 +431,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
         softcap: if given, logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
         return_z_loss: also return the z-loss part of the loss (reduced the same way, not differentiable).
         inplace_backward: allow the gradient to overwrite ``logits`` (saves one logits-sized buffer; eager mode,
-            reductions mean/sum, logits with unit column stride whose rows do not overlap, as expanded or
+            reductions mean/sum, bf16 or fp32 logits with unit column stride whose rows do not overlap, as expanded or
             unfold()ed ones do, and that are not a leaf requiring grad or a view of one; ignored otherwise and under
             ``torch.compile``).
 

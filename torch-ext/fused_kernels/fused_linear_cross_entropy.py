@@ -52,13 +52,15 @@ out):
                returned gradients alone are V*H*b + T*H*b = 1.22 GiB.
 Nothing grows with ``tokens * vocab`` beyond the 4*V*H bytes of the fp32 sums.
 
-When the gradients are computed. Eager mode, reductions mean/sum: during the forward (as the fused CE does),
-and the backward multiplies them in place by the incoming gradient, skipping that on the device when it is
-exactly 1; a second backward through the same graph is refused. Reduction "none": the forward computes only
-the losses, and the backward runs the whole computation again (with low memory: passes A and B) with each
-token's incoming gradient folded into its logits gradient. Under ``torch.compile`` the registered op computes
-the gradients in the forward when an input requires grad, and the backward scales them out of place (or, for
-"none", recomputes as above).
+When the gradients are computed. Eager mode, reductions mean/sum over bf16 or fp32 inputs: during the forward
+(as the fused CE does), and the backward multiplies them in place by the incoming gradient, skipping that on the
+device when it is exactly 1; a second backward through the same graph is refused. Reduction "none", and fp16
+inputs (``gradients_in_forward``: an fp16 logits gradient divided by the token count before a GradScaler's scale
+underflows): the forward computes only the losses, and the backward runs the whole computation again (with low
+memory: passes A and B) with the incoming gradient (each token's, or the one of the reduced loss) folded into the
+logits gradient before it is rounded. Under ``torch.compile`` the registered op computes the gradients in the
+forward when an input requires grad and ``gradients_in_forward`` allows, and the backward scales them out of place
+(or recomputes as above).
 
 Everything else (options, NaN for out-of-range targets, fp32 losses, double backward refused) is as in
 ``cross_entropy``. A NaN row (out-of-range target) also makes the weight gradient NaN, since every token
@@ -69,8 +71,8 @@ import torch
 
 from . import _checks
 from ._autograd import refuses_double_backward
-from .cross_entropy import (LossOptions, loss_constants, loss_rows, new_row_stats, reduce_rows, take_forward_grads,
-                            validate_options, validate_target_and_weight)
+from .cross_entropy import (LossOptions, gradients_in_forward, loss_constants, loss_rows, new_row_stats, reduce_rows,
+                            take_forward_grads, validate_options, validate_target_and_weight)
 from ._ops import add_op_namespace_prefix
 
 # Default budget for the token-chunked path's (chunk, vocab) logits buffer.
@@ -271,7 +273,7 @@ def _token_chunks(hidden2d, weight, target1d, bias, class_weight, constants, opt
         loss_rows(logits, target1d[start:end], class_weight, constants, opts, loss=rows[start:end],
                   z_loss=z_rows[start:end] if z_rows is not None else None, row_stats=row_stats[start:end],
                   dlogits=logits if any_grad else None,
-                  grad_out=grad_rows[start:end] if grad_rows is not None else None,
+                  grad_out=grad_rows if grad_rows is None or grad_rows.numel() == 1 else grad_rows[start:end],
                   loss_pass=True, grad_pass=any_grad)
         if need_hidden:
             torch.mm(logits, weight, out=grad_hidden[start:end])
@@ -321,7 +323,7 @@ def _run(hidden, weight, target, bias, class_weight, opts, return_z_loss, chunk_
     """Both algorithms. ``chunk_vocab`` None: the token-chunked pass; otherwise a loss pass over token chunks,
     then the vocabulary-sliced gradient pass. Returns (loss, z_loss or None, grad_hidden, grad_weight,
     grad_bias), each gradient None unless requested in ``needs`` (hidden, weight, bias); gradients include
-    ``grad_rows`` when given (one incoming gradient per token, reduction "none")."""
+    ``grad_rows`` when given (one incoming gradient per token under reduction "none", or one for them all)."""
     _validate(hidden, weight, target, bias, class_weight, opts, chunk_tokens, chunk_vocab)
     n_hidden, vocab = hidden.shape[-1], weight.shape[0]
     target1d = target.reshape(-1).contiguous()
@@ -382,7 +384,7 @@ def _flce_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, b
     incoming gradient of 1) under reductions mean and sum, and by the backward op under "none"; empty tensors
     stand for what is not computed here."""
     opts = LossOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
-    in_forward = reduction != "none"
+    in_forward = gradients_in_forward(reduction, hidden.dtype)
     loss, z_loss, dh, dw, db = _run(hidden, weight, target, bias, class_weight, opts, return_z_loss, chunk_tokens,
                                     chunk_vocab,
                                     (grad_hidden and in_forward, grad_weight and in_forward, grad_bias and in_forward))
@@ -398,7 +400,7 @@ def _(hidden, weight, target, bias, class_weight, ignore_index, reduction, label
     loss_shape = target.shape if reduction == "none" else ()
     loss = hidden.new_empty(loss_shape, dtype=torch.float32)
     z_loss = hidden.new_empty(loss_shape if return_z_loss else (0,), dtype=torch.float32)
-    in_forward = reduction != "none"
+    in_forward = gradients_in_forward(reduction, hidden.dtype)
     dh = hidden.new_empty(hidden.shape) if grad_hidden and in_forward else _empty(hidden)
     dw = weight.new_empty(weight.shape) if grad_weight and in_forward else _empty(weight)
     db = bias.new_empty(bias.shape) if grad_bias and in_forward and bias is not None else _empty(hidden)
@@ -411,7 +413,8 @@ def _flce_backward_op(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: tor
                       reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
                       chunk_tokens: int, chunk_vocab: int | None, grad_hidden: bool, grad_weight: bool,
                       grad_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients recomputed with per-token incoming gradients (reduction "none")."""
+    """The gradients recomputed with the incoming gradient folded in: one per token (reduction "none"), or one for
+    all (mean or sum over fp16 inputs: ``gradients_in_forward``)."""
     opts = LossOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
     _, _, dh, dw, db = _run(hidden, weight, target, bias, class_weight, opts, False, chunk_tokens, chunk_vocab,
                             (grad_hidden, grad_weight, grad_bias), grad_rows=grad_loss.reshape(-1).contiguous())
@@ -430,23 +433,24 @@ def _(grad_loss, hidden, weight, target, bias, class_weight, ignore_index, reduc
 def _op_setup_context(ctx, inputs, output):
     hidden, weight, target, bias, class_weight, *options = inputs
     ctx.options = options  # ignore_index ... grad_bias, as the ops take them
-    ctx.reduction = options[1]
-    if ctx.reduction == "none":
-        ctx.save_for_backward(hidden, weight, target, bias, class_weight)
-    else:
+    ctx.in_forward = gradients_in_forward(options[1], hidden.dtype)
+    if ctx.in_forward:
         ctx.save_for_backward(*output[2:])
+    else:
+        ctx.save_for_backward(hidden, weight, target, bias, class_weight)
 
 
 def _op_backward(ctx, grad_loss, grad_z_loss, *unused):
     grad_hidden_flag, grad_weight_flag, grad_bias_flag = ctx.options[-3:]
-    if ctx.reduction == "none":
+    if not ctx.in_forward:
         hidden, weight, target, bias, class_weight = ctx.saved_tensors
         ignore_index, reduction, label_smoothing, lse_square_scale, softcap, _, *chunks = ctx.options[:8]
         dh, dw, db = _flce_backward_op(grad_loss, hidden, weight, target, bias, class_weight, ignore_index, reduction,
                                        label_smoothing, lse_square_scale, softcap, *chunks, grad_hidden_flag,
                                        grad_weight_flag, grad_bias_flag)
     else:
-        dh, dw, db = (g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
+        # In fp32, rounded once (see scale_).
+        dh, dw, db = ((g.float() * grad_loss.float()).to(g.dtype) for g in ctx.saved_tensors)
     return (dh if grad_hidden_flag else None, dw if grad_weight_flag else None, None,
             db if grad_bias_flag else None, None, None, None, None, None, None, None, None, None, None, None, None)
 
@@ -459,7 +463,7 @@ class _EagerFusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, class_weight, opts, return_z_loss, chunks, needs):
-        grad_in_forward = any(needs) and opts.reduction != "none"
+        grad_in_forward = any(needs) and gradients_in_forward(opts.reduction, hidden.dtype)
         loss, z_loss, dh, dw, db = _run(hidden, weight, target, bias, class_weight, opts, return_z_loss, *chunks,
                                         needs if grad_in_forward else (False, False, False))
         ctx.opts, ctx.chunks, ctx.needs, ctx.grad_in_forward = opts, chunks, needs, grad_in_forward
