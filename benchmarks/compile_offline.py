@@ -42,12 +42,14 @@ LAYOUTS = {
     "odd_width": ({"n_cols": "", "outer": "D", "inner": "", "col": "1"}, False, False, False),
     "column_stride": ({"n_cols": "D", "outer": "D", "inner": "D", "col": ""}, True, False, False),
 }
-# RMSNorm launches: (kernel, block_rows, block_cols, single pass, prefetch); rows of up to 1000 elements fit in one
-# 1024-wide block, longer ones are walked in 1024-wide chunks. The forward's prefetch (None here) follows the layout, as
-# its launcher chooses it: on for rows accessed 16 bytes at a time, off otherwise.
-RMS_NORM_TILES = [("forward", 2, 1024, True, None), ("forward", 1, 1024, False, None),
-                  ("backward", 2, 1024, True, True), ("backward", 1, 8192, True, False),
-                  ("backward", 1, 1024, False, False)]
+# RMSNorm launches: (kernel, block_rows, block_cols, single pass, prefetch, dense); rows of up to 1000 elements fit in
+# one 1024-wide block, longer ones are walked in 1024-wide chunks. The forward's prefetch (None here) follows the layout,
+# as its launcher chooses it: on for rows accessed 16 bytes at a time, off otherwise. ``dense``: the forward's DENSE
+# (rows of exactly one block, back to back), compiled for the aligned layout only.
+RMS_NORM_TILES = [("forward", 2, 1024, True, None, False), ("forward", 2, 1024, True, None, True),
+                  ("forward", 1, 1024, False, None, False),
+                  ("backward", 2, 1024, True, True, False), ("backward", 1, 8192, True, False, False),
+                  ("backward", 1, 1024, False, False, False)]
 
 
 def load_kernels(family):
@@ -141,21 +143,23 @@ def check_gated(target):
 def check_rms_norm(target):
     kernels = load_kernels("rms_norm")
     failures = 0
-    for kernel_name, block_rows, block_cols, single_pass, prefetch in RMS_NORM_TILES:
+    for kernel_name, block_rows, block_cols, single_pass, prefetch, dense in RMS_NORM_TILES:
         kernel = getattr(kernels, f"_rms_norm_{kernel_name}_kernel")
         for dtype, pointer_type in DTYPES.items():
             for layout_name, layout in LAYOUTS.items():
+                if dense and layout_name != "aligned":
+                    continue
                 signature, constexprs, attrs = signature_and_attrs(
                     kernel, pointer_type, layout, fp32_pointers=("rstd_ptr", "dw_partial_ptr"))
                 align = ELEMENTS_PER_16_BYTES[dtype] if layout_name == "length_aligned" else 1
                 values = dict(MODE=kernels.MODE_IDS["llama"], HAS_WEIGHT=True, HAS_RESIDUAL=False, COMPUTE_DW=True,
                               HAS_D_RESIDUAL=False, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
                               SINGLE_PASS=single_pass, PREFETCH=layout[3] if prefetch is None else prefetch,
-                              OUTPUT_COLS=block_cols // 2, ALIGN=align)
+                              OUTPUT_COLS=block_cols // 2, ALIGN=align, DENSE=dense)
                 for name in kernel.arg_names:
                     if name in values:
                         constexprs[(kernel.arg_names.index(name),)] = values[name]
-                tile = f"{block_rows}x{block_cols}{'' if single_pass else ' chunks'}"
+                tile = f"{block_rows}x{block_cols}{'' if single_pass else ' chunks'}{' dense' if dense else ''}"
                 label = f"{kernel.fn.__name__:<26} {tile:<13} {dtype:<4} {layout_name:<14}"
                 ptx = compile_ptx(kernel, signature, constexprs, attrs, 4, target, label)
                 if ptx is None:

@@ -117,6 +117,14 @@ def test_rms_norm_tuner_keeps_untuned_buckets(monkeypatch):
     tuned = {"block_rows": 2, "block_cols": 4096, "num_warps": 8, "programs_per_sm": 1}
     entries = tune_rms_norm.to_entries([(65536, {"backward": (0.1, tuned)})], "backward", current)
     assert entries == [entry if entry["max_cols"] != 65536 else {"max_cols": 65536, **tuned} for entry in current]
+    # The forward's entries for small calls (max_elements) stay before their bucket's, tuned or not.
+    forward = table["forward"]["NVIDIA H200"]
+    assert any("max_elements" in entry for entry in forward)
+    assert tune_rms_norm.to_entries([], "forward", forward) == forward
+    tuned = {"block_rows": 1, "block_cols": 8192, "num_warps": 16}
+    entries = tune_rms_norm.to_entries([(8192, {"forward": (0.1, tuned)})], "forward", forward)
+    assert entries == [entry if entry["max_cols"] != 8192 or "max_elements" in entry
+                       else {"max_cols": 8192, "block_rows": 1, "num_warps": 16} for entry in forward]
 
 
 def test_swiglu_tuner_adds_a_small_call_entry_only_where_another_tile_wins(monkeypatch):

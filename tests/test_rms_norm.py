@@ -61,7 +61,8 @@ def make_inputs(shape, dtype, with_weight, with_residual, device=DEVICE):
 
 
 def leaf(t):
-    return None if t is None else t.detach().clone().requires_grad_(True)
+    """``t`` as a leaf that requires grad, with its strides (``clone`` would make a row slice contiguous)."""
+    return None if t is None else t.detach().requires_grad_(True)
 
 
 def run_ours(fk, x, weight, residual, mode, dy, d_res=None):
@@ -266,8 +267,8 @@ def test_both_whole_row_backward_schedules(fk, monkeypatch, tile, with_residual,
     assert prefetches == (tile == (2, 1024))
     table_pick = module.pick
 
-    def pick_tile(family, kernel, device, n_cols):
-        config = table_pick(family, kernel, device, n_cols)
+    def pick_tile(family, kernel, device, n_cols, n_elements=None):
+        config = table_pick(family, kernel, device, n_cols, n_elements)
         if not kernel.startswith("backward"):
             return config
         return {**config, "block_rows": tile[0], "block_cols": tile[1], "programs_per_sm": 3}
@@ -288,8 +289,8 @@ def test_whole_row_forward_read_twice(fk, poisoned_empty, monkeypatch, block_row
     module = importlib.import_module(fk.__name__ + ".rms_norm")
     table_pick = module.pick
 
-    def pick_tile(family, kernel, device, n_cols):
-        config = table_pick(family, kernel, device, n_cols)
+    def pick_tile(family, kernel, device, n_cols, n_elements=None):
+        config = table_pick(family, kernel, device, n_cols, n_elements)
         if not kernel.startswith("forward"):
             return config
         return {"block_rows": block_rows, "block_cols": 1 << (n_cols - 1).bit_length(), "num_warps": 4,
@@ -297,6 +298,51 @@ def test_whole_row_forward_read_twice(fk, poisoned_empty, monkeypatch, block_row
 
     monkeypatch.setattr(module, "pick", pick_tile)
     check_against_references(fk, (37, n_cols), torch.bfloat16, "llama", True, with_residual)
+
+
+@pytest.mark.parametrize("case, dense", [
+    ("contiguous", True), ("one_row", True), ("three_dims", True), ("not_a_power_of_two", False),
+    ("row_slice_of_wider", False), ("residual_transposed", False)])
+def test_dense_rows(fk, poisoned_empty, monkeypatch, case, dense):
+    """The forward's DENSE path (rows of exactly one block, back to back: int32 offsets, no column mask, the weight
+    loaded early) is taken exactly where it applies, and gives the reference results in every mode, without a
+    weight, with a residual and with a padded last row block (37 rows in blocks of 8)."""
+    module = importlib.import_module(fk.__name__ + ".rms_norm")
+    kernels = importlib.import_module(fk.__name__ + "._kernels.rms_norm")
+    table_pick = module.pick
+    launches = []
+
+    def pick_tile(family, kernel, device, n_cols, n_elements=None):
+        config = table_pick(family, kernel, device, n_cols, n_elements)
+        if not kernel.startswith("forward"):
+            return config
+        return {"block_rows": 8, "block_cols": 1 << (n_cols - 1).bit_length(), "num_warps": 4}
+
+    def recording_launch(kernel, grid, pointers, scalars, constexprs, *args, **kwargs):
+        if kernel is kernels._rms_norm_forward_kernel:
+            launches.append(constexprs["DENSE"])
+        return launch(kernel, grid, pointers, scalars, constexprs, *args, **kwargs)
+
+    launch = kernels.launch
+    monkeypatch.setattr(module, "pick", pick_tile)
+    monkeypatch.setattr(kernels, "launch", recording_launch)
+    shape, transform, residual_too = {
+        "contiguous": ((37, 256), None, True), "one_row": ((1, 256), None, True),
+        "three_dims": ((3, 5, 128), None, True), "not_a_power_of_two": ((37, 200), None, True),
+        "row_slice_of_wider": ((37, 256), LAYOUTS["row_slice_of_wider"], True),
+        "residual_transposed": ((5, 7, 128), LAYOUTS["transposed_leading"], False)}[case]
+    for mode, with_weight, with_residual in (("llama", True, False), ("gemma", True, True), ("plain", False, True)):
+        if residual_too:
+            check_against_references(fk, shape, torch.bfloat16, mode, with_weight, with_residual, transform)
+        else:  # x contiguous, the residual a transposed view
+            x, weight, residual = make_inputs(shape, torch.bfloat16, with_weight, True)
+            residual = transform(residual)
+            y, h = fk.fused_add_rms_norm(x, residual, weight, EPS, mode)
+            y_ref, h_ref = reference_float64(x.double(), weight.double() if with_weight else None, EPS, mode,
+                                             residual.double())
+            y_base, _ = reference_module(x, weight, EPS, mode, residual)
+            assert_close_ratio("y", y, y_base, y_ref, 2.0, torch.bfloat16)
+    assert launches and all(flag == dense for flag in launches)
 
 
 def _alignment_plan(fk, x):
@@ -445,12 +491,16 @@ def test_bad_inputs_raise_clear_errors(fk, case):
 
 
 @pytest.mark.parametrize("residual, error, message", [
+    (lambda d: None, TypeError, "residual must be a torch.Tensor"),
     (lambda d: torch.randn(4, 9, device=d), ValueError, "residual must have the shape of x"),
     (lambda d: torch.randn(4, 8, device=d, dtype=torch.float16), TypeError, "residual must have the dtype of x"),
 ])
-def test_bad_residual(fk, residual, error, message):
+@pytest.mark.parametrize("module", ["fk", "fk_cpu"])
+def test_bad_residual(request, module, residual, error, message):
+    fk = request.getfixturevalue(module)
+    device = DEVICE if module == "fk" else "cpu"
     with pytest.raises(error, match=message):
-        fk.fused_add_rms_norm(torch.randn(4, 8, device=DEVICE), residual(DEVICE), None, EPS, "llama")
+        fk.fused_add_rms_norm(torch.randn(4, 8, device=device), residual(device), None, EPS, "llama")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a second device type")

@@ -119,7 +119,7 @@ def _triton_forward(x, weight, residual, eps, mode, out_dtype):
         (x,), layouts = shared_row_layouts(x)
         x_layout, r_layout = layouts[0], None
     align = _triton_rms_norm.row_alignment(x.element_size(), layouts, n_rows, n_cols)
-    config = pick(_CONFIG_FAMILY, "forward" if align else "forward_unaligned", x.device, n_cols)
+    config = pick(_CONFIG_FAMILY, "forward" if align else "forward_unaligned", x.device, n_cols, x.numel())
     _triton_rms_norm.rms_norm_forward(
         x, x_layout, weight.contiguous() if weight is not None else None, residual, r_layout, y, residual_out, rstd,
         n_rows, n_cols, float(eps), mode,
@@ -369,6 +369,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     The pre-norm block step ``residual = hidden + residual; hidden = norm(residual)`` in one pass. Neither
     input is modified. Differentiable in ``x``, ``residual`` and ``weight``.
     """
+    if residual is None:  # the shared eager path would return rms_norm(x) alone, which `y, h = ...` splits by rows
+        raise TypeError("residual must be a torch.Tensor of x's shape and dtype, got None (use rms_norm without one)")
     if torch.compiler.is_compiling():
         y, h, _ = _fused_add_rms_norm_op(x, residual, weight, eps, mode)
         return y, h
