@@ -86,7 +86,8 @@ def make_qk(batch, seq, q_heads, k_heads, head_dim, dtype, heads_dim=1, transpos
 
 
 def leaf(t):
-    return t.detach().clone().requires_grad_(True)
+    """``t`` as a leaf that requires grad, with its strides (``clone`` would make a row slice contiguous)."""
+    return t.detach().requires_grad_(True)
 
 
 def check_against_references(fk, q, k, cos, sin, heads_dim, interleaved, position_ids=None, cos_cache=None,
