@@ -42,10 +42,10 @@ LAYOUTS = {
     "odd_width": ({"n_cols": "", "outer": "D", "inner": "", "col": "1"}, False, False, False),
     "column_stride": ({"n_cols": "D", "outer": "D", "inner": "D", "col": ""}, True, False, False),
 }
-# RMSNorm launches: (kernel, block_rows, block_cols, single pass, prefetch, dense); rows of up to 1000 elements fit in
-# one 1024-wide block, longer ones are walked in 1024-wide chunks. The forward's prefetch (None here) follows the layout,
-# as its launcher chooses it: on for rows accessed 16 bytes at a time, off otherwise. ``dense``: the forward's DENSE
-# (rows of exactly one block, back to back), compiled for the aligned layout only.
+# RMSNorm launches: (kernel, block_rows, block_cols, single pass, prefetch, dense); rows of up to 1000 elements fit
+# in one 1024-wide block, longer ones are walked in 1024-wide chunks. The forward's prefetch (None here) follows the
+# layout, as its launcher chooses it: on for rows accessed 16 bytes at a time, off otherwise. ``dense``: the forward's
+# DENSE (rows of exactly one block, back to back), compiled for the aligned layout only.
 RMS_NORM_TILES = [("forward", 2, 1024, True, None, False), ("forward", 2, 1024, True, None, True),
                   ("forward", 1, 1024, False, None, False),
                   ("backward", 2, 1024, True, True, False), ("backward", 1, 8192, True, False, False),

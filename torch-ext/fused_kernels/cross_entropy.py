@@ -21,9 +21,10 @@ gradient is exactly 1 (``loss.backward()``). That buffer is the only extra memor
 the same graph is refused (the buffer was consumed). With ``inplace_backward=True`` the gradient overwrites
 the caller's logits instead (their autograd version is bumped, so an op that saved them raises rather than
 computing a wrong gradient); by default the logits are never written. Reduction ``"none"``, fp16 logits
-(``gradients_in_forward``) and every reduction under ``torch.compile`` keep the forward pure: it saves the per-token log-sum-exp and the
-backward computes the gradient with the per-token incoming gradient folded in (one read, one write). The
-gradient has no autograd graph of its own, so double backward raises (``refuses_double_backward``).
+(``gradients_in_forward``) and every reduction under ``torch.compile`` keep the forward pure: it saves the
+per-token log-sum-exp and the backward computes the gradient with the incoming gradient (each token's, or the
+reduced loss's) folded in before it is rounded (one read, one write). The gradient has no autograd graph of its
+own, so double backward raises (``refuses_double_backward``).
 
 CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels; otherwise a plain PyTorch
 implementation of the same function runs (the ``torch-cpu`` variant). The helpers ``loss_constants``,
@@ -431,9 +432,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
         softcap: if given, logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
         return_z_loss: also return the z-loss part of the loss (reduced the same way, not differentiable).
         inplace_backward: allow the gradient to overwrite ``logits`` (saves one logits-sized buffer; eager mode,
-            reductions mean/sum, bf16 or fp32 logits with unit column stride whose rows do not overlap, as expanded or
-            unfold()ed ones do, and that are not a leaf requiring grad or a view of one; ignored otherwise and under
-            ``torch.compile``).
+            reductions mean/sum, bf16 or fp32 logits with unit column stride whose rows do not overlap, as
+            expanded or unfold()ed ones do, and that are not a leaf requiring grad or a view of one; ignored
+            otherwise and under ``torch.compile``).
 
     Returns the fp32 loss, or ``(loss, z_loss)`` with ``return_z_loss``. Differentiable in ``logits``.
     """
