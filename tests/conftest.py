@@ -6,6 +6,8 @@ tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set below before Trito
 `torch-cpu` variant (plain PyTorch) is tested separately through `fk_cpu`.
 """
 
+import fcntl
+import gc
 import os
 import subprocess
 import sys
@@ -92,3 +94,29 @@ def poisoned_empty():
     yield
     torch.use_deterministic_algorithms(was_deterministic)
     torch.utils.deterministic.fill_uninitialized_memory = was_filling
+
+
+@pytest.fixture(autouse=True)
+def release_cached_gpu_memory():
+    """Hand the caching allocator's free blocks back to the driver after every GPU test: otherwise a pytest-xdist
+    worker keeps the peak of the largest test it ran (tens of GB after the int64-offset tests), and the other
+    workers' tests run out of memory on a GPU they share."""
+    yield
+    if ON_GPU:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def large_gpu_memory(tmp_path_factory):
+    """For tests that need 10 GB or more of GPU memory: at most one of them runs at a time across the pytest-xdist
+    workers (an exclusive lock on a file in the directory all workers share), so parallel runs fit on one GPU."""
+    lock_path = tmp_path_factory.getbasetemp().parent / "large-gpu-memory.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -608,7 +608,7 @@ def test_large_vocabulary(fk, vocab):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs more than 2**31 logits (4.3 GB in bf16)")
-def test_more_than_2_pow_31_logits(fk):
+def test_more_than_2_pow_31_logits(fk, large_gpu_memory):
     """tokens * vocab > 2**31: the last rows sit beyond any int32 offset. Checked row-wise against a float32
     computation on the tail (a float64 copy of everything would not fit comfortably)."""
     tokens, vocab = 8300, 262144

@@ -1165,7 +1165,7 @@ def test_more_batch_heads_than_a_grid_axis_holds(fk):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs ~10 GB of GPU memory")
-def test_offsets_beyond_int32(fk):
+def test_offsets_beyond_int32(fk, large_gpu_memory):
     """q with more than 2**31 elements: the last sequence's offsets only fit in int64."""
     seq = 2**31 // (16 * 128) + 64
     q = torch.randn(1, seq, 16, 128, device="cuda", dtype=torch.bfloat16)

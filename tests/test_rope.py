@@ -683,7 +683,7 @@ def test_batch_beyond_a_grid_axis(fk):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU with ~10 GB free (tensors beyond 2**31 elements)")
-def test_huge_tensor_int64_offsets(fk):
+def test_huge_tensor_int64_offsets(fk, large_gpu_memory):
     seq, q_heads, head_dim = 2**21 + 5, 8, 128  # q has more than 2**31 elements
     q = torch.randn(1, seq, q_heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
     k = torch.randn(1, seq, 1, head_dim, device=DEVICE, dtype=torch.bfloat16)

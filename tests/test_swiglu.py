@@ -383,7 +383,7 @@ def test_compile_fullgraph(fk):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU with ~20 GB free: offsets past 2**31 elements")
-def test_offsets_beyond_int32(fk):
+def test_offsets_beyond_int32(fk, large_gpu_memory):
     """A fused input of 2**31 + 2**15 elements: row offsets (row * 2I) pass 2**31 in the last rows."""
     rows, width = 2**16 + 1, 2**14
     gate_up = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
