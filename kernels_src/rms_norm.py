@@ -140,15 +140,15 @@ def _weight_or_one(w_ptr, cols, col_mask, MODE: tl.constexpr, HAS_WEIGHT: tl.con
 
 @triton.jit
 def _scale_by_weight(x_hat, w_factor, w_ptr, cols, col_mask, INPUT_DTYPE: tl.constexpr, MODE: tl.constexpr,
-                     HAS_WEIGHT: tl.constexpr, PRELOADED: tl.constexpr):
-    """y before the final cast, for one tile of normalised rows: times ``w_factor`` (``_weight_or_one``) when
-    ``PRELOADED``, else times the factor loaded here, after x_hat's rounding (None for ``w_factor``). Loading it
-    before the rounding instead reorders the PTX of every tile, and made the padded whole-row forwards 8-12% slower on
-    the H200 (16384 x 2304 bf16: 39.9 -> 44.5 us)."""
+                     HAS_WEIGHT: tl.constexpr):
+    """y before the final cast, for one tile of normalised rows: times ``w_factor`` (``_weight_or_one``), or, where
+    that is None (a compile-time test), times the factor loaded here, after x_hat's rounding. Loading it before the
+    rounding instead reorders the PTX of every tile, and made the padded whole-row forwards 8-12% slower on the H200
+    (16384 x 2304 bf16: 39.9 -> 44.5 us)."""
     if MODE == LLAMA:
         x_hat = x_hat.to(INPUT_DTYPE).to(tl.float32)
     if HAS_WEIGHT:
-        if not PRELOADED:
+        if w_factor is None:
             w_factor = _weight_factor(w_ptr, cols, col_mask, MODE, "")
         x_hat = x_hat * w_factor[None, :]
     return x_hat
@@ -244,8 +244,7 @@ def _rms_norm_forward_kernel(
         h = _combine_input(x, residual, residual_out_ptr, out_rows, cols, mask, HAS_RESIDUAL, "")
         rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-        y = _scale_by_weight(h * rstd[:, None], w_factor, w_ptr, cols, col_mask, input_dtype, MODE, HAS_WEIGHT,
-                             DENSE)
+        y = _scale_by_weight(h * rstd[:, None], w_factor, w_ptr, cols, col_mask, input_dtype, MODE, HAS_WEIGHT)
         tl.store(y_ptr + out_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         # Rows too long for one block (or a whole-row tile run in two passes: see rms_norm_forward): pass 1 reduces
@@ -269,7 +268,7 @@ def _rms_norm_forward_kernel(
                 h = _load_tile(residual_out_ptr, out_rows, cols, 1, mask, "evict_first")
             else:
                 h = _load_tile(x_ptr, x_rows, cols, x_stride_col, mask, "evict_first")
-            y = _scale_by_weight(h * rstd[:, None], None, w_ptr, cols, col_mask, input_dtype, MODE, HAS_WEIGHT, False)
+            y = _scale_by_weight(h * rstd[:, None], None, w_ptr, cols, col_mask, input_dtype, MODE, HAS_WEIGHT)
             tl.store(y_ptr + out_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask,
                      eviction_policy="evict_first")
 
