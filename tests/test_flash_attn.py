@@ -216,7 +216,9 @@ CASES = [
     (1, 33, 33, 4, 1, 72, {"window": (5, 3)}),
     (2, 29, 29, 2, 2, 48, {"causal": True, "window": (7, 7)}),  # transformers' symmetric window with causal
     (1, 20, 30, 2, 1, 16, {"softcap": 3.0}),
-    (1, 17, 17, 1, 1, 8, {}),                           # the smallest head dim
+    (1, 17, 17, 1, 1, 8, {}),                           # the smallest head dim of the kernels
+    (1, 19, 23, 2, 1, 12, {"causal": True}),            # head dims off the multiples of 8: zero-padded to them,
+    (1, 9, 9, 2, 2, 3, {}),                             # the default scale from the unpadded head dim
     (1, 1, 19, 2, 2, 32, {"causal": True}),              # one query row (decoding)
     (1, 133, 1, 4, 2, 128, {}),                          # one key: the exact dk is 0 (check_rule's scale)
 ]
@@ -245,7 +247,7 @@ def test_property_random_attention(fk, poisoned_empty, data):
     seq_k = data.draw(st.integers(1, max_seq), label="seq_k")
     kv_heads = data.draw(st.integers(1, 2), label="kv_heads")
     heads = kv_heads * data.draw(st.integers(1, 3), label="group")
-    dim = 8 * data.draw(st.integers(1, max_dim // 8), label="dim / 8")
+    dim = data.draw(st.integers(1, max_dim // 8).map(lambda n: 8 * n) | st.integers(1, max_dim), label="dim")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     options = {"causal": data.draw(st.booleans(), label="causal")}
     if data.draw(st.booleans(), label="window"):
@@ -325,11 +327,13 @@ def _varlen_case(lengths_q, lengths_k, heads, kv_heads, dim, dtype, tail=0):
 
 @pytest.mark.usefixtures("tile_form")
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_matches_per_sequence_reference(fk, poisoned_empty, causal):
-    """Uneven, empty and length-1 sequences, plus rows past cu_seqlens[-1] (they get 0 and zero gradients)."""
+@pytest.mark.parametrize("head_dim", [32, 20], ids=["dim32", "dim20-padded"])
+def test_varlen_matches_per_sequence_reference(fk, poisoned_empty, causal, head_dim):
+    """Uneven, empty and length-1 sequences, plus rows past cu_seqlens[-1] (they get 0 and zero gradients); a head
+    dim off the multiples of 8 too (padded, as FlashAttention-2 does)."""
     torch.manual_seed(6)
     lengths_q, lengths_k = [5, 0, 1, 19, 12], [7, 3, 1, 19, 0]
-    q, k, v, cu_q, cu_k = _varlen_case(lengths_q, lengths_k, 4, 2, 32, torch.float16, tail=3)
+    q, k, v, cu_q, cu_k = _varlen_case(lengths_q, lengths_k, 4, 2, head_dim, torch.float16, tail=3)
     q, k, v = leaves(q, k, v)
     # max_seqlen as a NumPy integer and as a 0-d tensor (as transformers passes it), both taken as ints.
     out, lse, _ = fk.flash_attn_varlen_func(q, k, v, cu_q, cu_k, numpy.int64(max(lengths_q)),
@@ -373,7 +377,7 @@ def test_property_random_varlen(fk, poisoned_empty, data):
         lengths, label="k lengths")
     kv_heads = data.draw(st.integers(1, 2), label="kv_heads")
     heads = kv_heads * data.draw(st.integers(1, 3), label="group")
-    dim = 8 * data.draw(st.integers(1, max_dim // 8), label="dim / 8")
+    dim = data.draw(st.integers(1, max_dim // 8).map(lambda n: 8 * n) | st.integers(1, max_dim), label="dim")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     causal = data.draw(st.booleans(), label="causal")
     window = (data.draw(st.integers(-1, 40), label="left"), data.draw(st.integers(-1, 40), label="right")) if (
@@ -857,7 +861,10 @@ def test_backward_without_a_gradient_for_the_output(fk):
     (lambda q, k, v: (q.float(), k.float(), v.float()), TypeError, "q must have dtype float16, bfloat16"),
     (lambda q, k, v: (q, k.half() if q.dtype == torch.bfloat16 else k.bfloat16(), v), TypeError, "share a dtype"),
     (lambda q, k, v: (q[0], k[0], v[0]), ValueError, "4-dimensional"),
-    (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), ValueError, "multiple of 8"),
+    (lambda q, k, v: (q, k[..., :8], v[..., :8]), ValueError, "q's head_dim 16"),
+    (lambda q, k, v: (q[..., :0], k[..., :0], v[..., :0]), ValueError, "head_dim must be between 1 and 256, got 0"),
+    (lambda q, k, v: [t.repeat(1, 1, 1, 17)[..., :257] for t in (q, k, v)], ValueError,
+     "head_dim must be between 1 and 256, got 257"),
     (lambda q, k, v: (q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1)), ValueError,
      "multiple of the k/v heads"),
     (lambda q, k, v: (q, k[:, :5], v), ValueError, "k and v must have the same shape"),
@@ -974,6 +981,13 @@ def test_opcheck(fk):
     ops = fk._ops.ops
     torch.library.opcheck(ops.flash_attn_forward, (q, k, v, None, None, q.shape[1], k.shape[1], 0.0, 0.125, True,
                                                    -1, -1, 0.0, sink))
+
+
+def test_ops_refuse_head_dims_the_public_functions_pad(fk):
+    """The ops take multiples of 8 only (the public functions pad other head dims before calling them)."""
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 12, torch.float16)
+    with pytest.raises(ValueError, match="ops take head dims that are multiples of 8, got 12"):
+        fk._ops.ops.flash_attn_forward(q, k, v, None, None, 8, 8, 0.0, 0.25, True, -1, -1, 0.0, None)
 
 
 def test_compile_fullgraph(fk):
@@ -1123,6 +1137,30 @@ def test_windows_longer_than_any_sequence_are_unlimited(request, variant, window
     assert results[0][0].abs().sum() > 0
     for name, got, unlimited in zip(("out", "dq", "dk", "dv"), *results):
         assert torch.equal(got, unlimited), f"{name} with window_size={window} differs from the unlimited window's"
+
+
+@pytest.mark.parametrize("variant", ["fk", "fk_cpu"])
+@pytest.mark.parametrize("options", [{"causal": True}, {"window_size": (0, 0)}], ids=["causal", "window00"])
+def test_sink_switched_off_with_rows_that_see_nothing(request, variant, options):
+    """A sink of -inf (how a head's sink is switched off) where some rows see no key (s_q > s_k causal: rows 0-1; a
+    (0, 0) window with s_q > s_k: row 0): that head behaves as without a sink, and its sink gets a zero gradient. The
+    torch-cpu variant's gradient was NaN: those rows' lse is -inf, and exp(-inf - -inf) reached the backward."""
+    fk = request.getfixturevalue(variant)
+    device = DEVICE if variant == "fk" else "cpu"
+    torch.manual_seed(21)
+    q, k, v = (t.to(device) for t in make_qkv(1, 6, 4, 2, 2, 16, torch.float16))
+    dout = torch.randn_like(q)
+    sink = torch.tensor([float("-inf"), 0.5], device=device, requires_grad=True)
+    x = leaves(q, k, v)
+    out = fk.flash_attn_func(*x, s_aux=sink, **options)
+    out.backward(dout)
+    plain = leaves(q, k, v)
+    fk.flash_attn_func(*plain, **options)[:, :, 0].backward(dout[:, :, 0])
+    assert torch.equal(sink.grad[0], torch.zeros((), device=device)), sink.grad
+    assert torch.isfinite(sink.grad[1]) and sink.grad[1] != 0
+    assert torch.equal(out[:, :, 0], fk.flash_attn_func(q, k, v, **options)[:, :, 0])
+    for name, with_sink, without in zip(("dq", "dk", "dv"), x, plain):
+        torch.testing.assert_close(with_sink.grad[:, :, 0], without.grad[:, :, 0], msg=name)
 
 
 @pytest.mark.parametrize("variant", ["fk", "fk_cpu"])

@@ -256,3 +256,36 @@ def test_causal_lm_layer_keeps_the_positions_transformers_keeps(build_dir, varia
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causal_lm_layer_takes_the_calls_ignore_index(build_dir, variant):
+    """`model(..., labels=..., ignore_index=-1)`, which the stock forward passes to ForCausalLMLoss: the fused loss
+    padded the shifted labels with -100 and ignored nothing else (NaN from the -1 targets)."""
+    reference, patched = kernelized_causal_lm(build_dir, variant)
+    input_ids = torch.randint(0, 97, (2, 7), device=DEVICE)
+    labels = input_ids.clone()
+    labels[:, :3] = -1
+    for model in (reference, patched):
+        model.train()
+    loss = patched(input_ids=input_ids, labels=labels, ignore_index=-1).loss
+    want = reference(input_ids=input_ids, labels=labels, ignore_index=-1).loss
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causal_lm_layer_calls_an_lm_head_with_hooks(build_dir, variant):
+    """An lm_head with a forward hook (as LoRA wrappers, quantised heads and FSDP2 sharding it on its own change what
+    calling it does) is called as a module in training too: the fused loss read its weight and skipped the hook."""
+    reference, patched = kernelized_causal_lm(build_dir, variant)
+    input_ids = torch.randint(0, 97, (2, 7), device=DEVICE)
+    losses, grads = [], []
+    for model in (reference, patched):
+        model.train()
+        model.lm_head.register_forward_hook(lambda module, inputs, output: output * 4.0)
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(model.lm_head.weight.grad)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)

@@ -710,6 +710,24 @@ def test_mlp_layer_runs_wrapped_projections_as_modules(fk):
     torch.testing.assert_close(fk.layers.SwiGLUMLP.forward(mlp, x), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hook", ["full_backward", "full_backward_pre"])
+def test_mlp_layer_runs_projections_with_backward_hooks_as_modules(fk, hook):
+    """A projection with a backward hook (gradient masking, clipping or monitoring) is called as a module too, so the
+    hook runs: the one-Function path skipped it (the hook never ran, and the masked gradient came out unmasked)."""
+    mlp = mlp_modules(16, 24, False, torch.float32)
+    calls = []
+
+    def zero_the_gradient(module, grad, *rest):
+        calls.append(module)
+        return tuple(torch.zeros_like(g) if g is not None else None for g in grad)
+
+    getattr(mlp.down_proj, f"register_{hook}_hook")(zero_the_gradient)
+    x = torch.randn(5, 16, device=DEVICE, requires_grad=True)
+    fk.layers.SwiGLUMLP.forward(mlp, x).sum().backward()
+    assert calls == [mlp.down_proj]
+    assert torch.equal(x.grad, torch.zeros_like(x.grad))  # nothing reaches x past the zeroed gradient
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Layers, swapped in with kernelize.
 # ----------------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 import math
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ._build_info import BACKEND
@@ -116,3 +117,16 @@ def runs_triton(t: torch.Tensor) -> bool:
     and so it does for fake tensors, which have no memory for a kernel to read."""
     return (BACKEND == "cuda" and (t.is_cuda or (t.device.type == "cpu" and interpreting()))
             and not is_fake_tensor(t))
+
+
+def plain_linear(module) -> bool:
+    """An ``nn.Linear`` whose forward and backward are exactly ``F.linear(x, weight, bias)``'s on plain tensors: no
+    subclass (LoRA, quantised layers), no forward or backward hooks of its own or global ones (FSDP2 sharding it on
+    its own, profilers, gradient clipping or masking hooks), no DTensor parameters. A layer that reads the weight
+    itself may skip the module only then; anything else must be called as a module, so its forward and hooks run."""
+    hooks = nn.modules.module
+    global_hooks = (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
+                    or hooks._global_backward_pre_hooks)
+    return (type(module) is nn.Linear and not global_hooks and not module._forward_hooks
+            and not module._forward_pre_hooks and not module._backward_hooks and not module._backward_pre_hooks
+            and all(type(p) in (torch.Tensor, nn.Parameter) for p in module.parameters(recurse=False)))

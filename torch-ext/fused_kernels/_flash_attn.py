@@ -79,8 +79,10 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, sof
     head_dim, n_heads, n_kv_heads = q.shape[-1], q.shape[-2], k.shape[-2]
     if k.shape[-1] != head_dim:
         raise ValueError(f"k and v must have q's head_dim {head_dim}, got {k.shape[-1]}")
-    if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {head_dim}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    if head_dim % 8 != 0:  # reached only by calling the ops directly: the public functions pad such head dims
+        raise ValueError(f"the flash-attention ops take head dims that are multiples of 8, got {head_dim}")
     if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
         raise ValueError(f"the number of q heads ({n_heads}) must be a multiple of the k/v heads ({n_kv_heads})")
     if not varlen and k.shape[0] != q.shape[0]:
@@ -161,8 +163,12 @@ def _torch_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, scale, wind
         if s_aux is not None:
             sink = s_aux.float()[:, None, None].expand(-1, qs.shape[0], 1)
             scores = torch.cat([scores, sink], dim=-1)
+        # Rows that see nothing (no key, and no sink or a sink of -inf) get zero scores before the softmax: over
+        # all -inf, logsumexp's backward is exp(-inf - -inf) = NaN, which the where below hides from the forward but
+        # not from the gradients (0 * NaN into the sink's).
+        seen = (scores > float("-inf")).any(dim=-1)
+        scores = scores.masked_fill(~seen[..., None], 0.0)
         row_lse = torch.logsumexp(scores, dim=-1)
-        seen = torch.isfinite(row_lse)
         probs = torch.where(seen[..., None], torch.exp(scores - row_lse[..., None]), 0.0)
         if s_aux is not None:
             probs = probs[..., :-1]
@@ -394,6 +400,21 @@ def _integer(name, value) -> int:
         raise ValueError(f"{name} must be an int, got {value!r}") from None
 
 
+def _pad_head_dim(q, k, v):
+    """(q, k, v, None), or, where their common head dim is not a multiple of 8 (the kernels' granule), the three
+    zero-padded to the next one and that head dim, to slice the output back to: FlashAttention-2's wrapper does the
+    same (zero columns change no score, and the output's extra columns are dropped; autograd slices the gradients
+    back through the pad). The pad is a copy of q, k and v; anything else is left to ``_validate``'s errors."""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in tensors):
+        return q, k, v, None
+    head_dim = q.shape[-1]
+    if head_dim % 8 == 0 or head_dim > MAX_HEAD_DIM or any(t.shape[-1] != head_dim for t in tensors):
+        return q, k, v, None
+    padding = (0, 8 - head_dim % 8)
+    return (*(torch.nn.functional.pad(t, padding) for t in tensors), head_dim)
+
+
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                window_size, softcap, alibi_slopes, return_attn_probs, s_aux, block_table=None):
     if alibi_slopes is not None:
@@ -403,9 +424,10 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if len(window_size) != 2:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
     if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
+        softmax_scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0  # head dim 0: refused by _validate
     else:
         softmax_scale = _number("softmax_scale", softmax_scale)
+    q, k, v, head_dim = _pad_head_dim(q, k, v)
     options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=_number("dropout_p", dropout_p),
                    softmax_scale=softmax_scale, causal=bool(causal),
                    window_left=_integer("window_size[0]", window_size[0]),
@@ -416,6 +438,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         out, lse, seed = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, **options, s_aux=s_aux)
     else:
         out, lse, seed = _EagerFlashAttn.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, s_aux, options)
+    if head_dim is not None:
+        out = out[..., :head_dim]
     if not return_attn_probs:
         return out
     return out, lse, _dropout_mask(q, k, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
@@ -460,7 +484,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     Returns ``out (batch, seq_q, heads, head_dim)``, or ``(out, softmax_lse (batch, heads, seq_q) fp32,
     dropout keep mask or None)`` with ``return_attn_probs``. ``deterministic`` is accepted for compatibility:
-    the backward is always deterministic. ``s_aux``: optional contiguous ``(heads,)`` attention-sink logits.
+    the backward is always deterministic. ``s_aux``: optional contiguous ``(heads,)`` attention-sink logits, finite
+    or -inf (a head without a sink). Head dims 1 to 256; those not a multiple of 8 are zero-padded to one (a copy),
+    as FlashAttention-2 does.
     """
     del deterministic
     return _attention(q, k, v, None, None, q.shape[1] if q.dim() == 4 else 0, k.shape[1] if k.dim() == 4 else 0,

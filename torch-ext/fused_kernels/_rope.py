@@ -365,8 +365,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
             with ``unsqueeze_dim=2``; float32/float16/bfloat16, any strides.
         k: the same layout, dtype, batch, seq and head_dim as q; any number of heads.
         cos, sin: ``(batch or 1, seq, rotary_dim)``, as transformers' rotary embedding modules return them
-            (any float dtype; read in fp32). ``rotary_dim`` (even, at most head_dim) columns of each head rotate;
-            the rest pass through.
+            (float32, float16 or bfloat16, whatever q's is; read in fp32). ``rotary_dim`` (even, at most head_dim)
+            columns of each head rotate; the rest pass through.
         unsqueeze_dim: where transformers would insert the heads dimension into cos/sin: 1 or 2 (above).
         interleaved: rotate pairs (2i, 2i + 1) (GPT-J) instead of (i, i + rotary_dim/2) (``rotate_half``).
         inplace: rotate q and k in place and return them (the tail beyond rotary_dim is left as it is); q and k

@@ -9,6 +9,7 @@ import sys
 import torch
 from torch import nn
 
+from . import _checks
 from ._rope import apply_rotary_pos_emb
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .rms_norm import rms_norm
@@ -178,16 +179,19 @@ def _causal_lm_forward(model, low_memory, input_ids, attention_mask, position_id
     hidden_states = _keep_positions(outputs.last_hidden_state, logits_to_keep)
     softcap = getattr(model.config, "final_logit_softcapping", None)
     loss = logits = None
-    if model.training and labels is not None:
+    # The fused loss reads lm_head's weight itself: only where calling lm_head would do nothing else (plain_linear),
+    # so that LoRA adapters, quantised heads and hooks on it take the stock path below instead of being skipped.
+    if model.training and labels is not None and _checks.plain_linear(model.lm_head):
+        ignore_index = kwargs.get("ignore_index", -100)  # ForCausalLMLoss's keyword, as the stock forward passes it
         shift_labels = kwargs.get("shift_labels")
         if shift_labels is None:
-            shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         num_items = kwargs.get("num_items_in_batch")
         # Flattened, as ForCausalLMLoss flattens logits and labels (kept positions may be a flat (kept, hidden)).
         loss = fused_linear_cross_entropy(hidden_states.flatten(0, -2), model.lm_head.weight,
                                           shift_labels.flatten().to(hidden_states.device), model.lm_head.bias,
-                                          reduction="mean" if num_items is None else "sum", softcap=softcap,
-                                          low_memory=low_memory)
+                                          ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
+                                          softcap=softcap, low_memory=low_memory)
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     else:
@@ -211,10 +215,12 @@ class FusedLinearCrossEntropyForCausalLM(nn.Module):
     transformers registers no layer name for this forward: attach one with
     ``kernels.replace_kernel_forward_from_hub(LlamaForCausalLM, "FusedLinearCrossEntropyForCausalLM")``
     and kernelize (README). The loss follows transformers' ``ForCausalLMLoss``: labels shifted by one (or
-    ``shift_labels``), ``ignore_index`` -100, the sum divided by ``num_items_in_batch`` when given, else the mean;
-    ``config.final_logit_softcapping`` is applied when the config has it. The weight is read through
-    ``self.lm_head`` inside the model's own forward, so hooks that gather parameters for the model's forward
-    (FSDP on the whole model) have run.
+    ``shift_labels``), ``ignore_index`` (-100, or the call's ``ignore_index``), the sum divided by
+    ``num_items_in_batch`` when given, else the mean; ``config.final_logit_softcapping`` is applied when the config
+    has it. The weight is read through ``self.lm_head`` inside the model's own forward, so hooks that gather
+    parameters for the model's forward (FSDP on the whole model) have run. An ``lm_head`` that is not a plain
+    ``nn.Linear`` without hooks (LoRA on it, a quantised head, hooks of its own or global ones) is called as a
+    module instead and the loss computed by the model's ``loss_function``, as the stock forward does (with logits).
     """
 
     model: nn.Module

@@ -363,23 +363,13 @@ def _differentiable_mlp_backward(ctx, dout, x, weights, biases, norm_weight):
     return *(next(grads) if need else None for need in needs), None
 
 
-def _plain_linear(module) -> bool:
-    """An ``nn.Linear`` whose forward is exactly ``F.linear(x, weight, bias)`` on plain tensors: no subclass
-    (LoRA, quantised layers), no hooks of its own or global ones (FSDP2 sharding it on its own, profilers), no
-    DTensor parameters. Anything else must be called as a module, so its own forward and hooks run."""
-    global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
-    return (type(module) is nn.Linear and not global_hooks and not module._forward_hooks
-            and not module._forward_pre_hooks
-            and all(type(p) in (torch.Tensor, nn.Parameter) for p in module.parameters(recurse=False)))
-
-
 def gated_mlp(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module,
               activation: str) -> torch.Tensor:
     """``down_proj(act(gate_proj(x)) * up_proj(x))``. In eager mode, with plain ``nn.Linear`` projections and no
     autocast, one Function that does not keep the activation's output (``_EagerGatedMLP``); otherwise the modules
     are called (``torch.compile`` plans its own memory, autocast decides its own dtypes)."""
     lean = (not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type)
-            and all(_plain_linear(m) for m in (gate_proj, up_proj, down_proj)))
+            and all(_checks.plain_linear(m) for m in (gate_proj, up_proj, down_proj)))
     if not lean:
         return down_proj(_gated(gate_proj(x), up_proj(x), activation))
     return _EagerGatedMLP.apply(x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias,
